@@ -1,0 +1,36 @@
+"""TileLang plumbing shared by every Hopper kernel module: target, pass configs, output allocation.
+
+Nothing here runs at import time beyond defining names; `tilelang` itself is imported lazily.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+# Kernels are explicitly synchronised with mbarriers / T.sync_threads; TileLang's own race checker
+# flags the producer/consumer patterns as races, so it is off for our kernels.
+PASS_CONFIGS = {
+    "tl.enable_fast_math": True,
+    "tl.disable_data_race_check": True,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tilelang():
+    """The tilelang module, imported on first use (import flashdelta never imports it)."""
+    import tilelang as tl  # noqa: PLC0415
+
+    return tl
+
+
+def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Allocate a kernel output. With FLASHDELTA_POISON=1 (the tests set it) it is filled with NaN
+    (integers with -1), so any element a kernel forgets to write fails the comparison."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("FLASHDELTA_POISON") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out

@@ -1,0 +1,143 @@
+"""Shared test helpers: the one tolerance helper, input makers and the named case type.
+
+Everything numeric in the tests goes through `assert_close`; per-tensor tolerances live in `TOLS`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+# Relative L2 bounds vs the float64 reference for bf16/fp16 inputs (DESIGN.md §5). The gate-derived
+# gradients get twice the room: dg sums many products of exponentials, dbeta goes through the WY inverse.
+TOLS = {
+    "o": 1e-2, "ht": 1e-2, "h": 1e-2, "A": 1e-2, "g_cumsum": 1e-5,
+    "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dh0": 1e-2,
+    "dg": 2e-2, "dbeta": 2e-2,
+}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """`||out - ref|| / ||ref||` in float64 (0 when both are all-zero)."""
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, *, baseline: torch.Tensor | None = None,
+                 factor: float = 2.0, tol: float | None = None, eps: float = 1e-6) -> float:
+    """Fail loudly unless `out` matches the float64 `ref`.
+
+    - shapes must match and NaN/Inf positions must coincide (a NaN where the reference is finite fails);
+    - relative L2 error must be <= `tol` (default `TOLS[name]`);
+    - with `baseline` (the same algorithm in PyTorch at the kernel's precision), also
+      `err(out) <= factor * err(baseline) + eps`.
+    Returns the relative L2 error.
+    """
+    if tol is None:
+        tol = TOLS[name]
+    assert tuple(out.shape) == tuple(ref.shape), f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    o64, r64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    bad_o, bad_r = ~torch.isfinite(o64), ~torch.isfinite(r64)
+    if not torch.equal(bad_o, bad_r):
+        idx = torch.nonzero(bad_o ^ bad_r)[0].tolist()
+        raise AssertionError(f"{name}: non-finite mismatch at {idx}: out={o64[tuple(idx)].item()} "
+                             f"ref={r64[tuple(idx)].item()} ({int(bad_o.sum())} non-finite in out)")
+    o64 = torch.where(bad_r, 0.0, o64)
+    r64 = torch.where(bad_r, 0.0, r64)
+    err = rel_l2(o64, r64)
+    limit = tol
+    if baseline is not None:
+        limit = min(tol, factor * rel_l2(baseline, r64) + eps)
+    if not err <= limit:
+        diff = (o64 - r64).abs()
+        idx = tuple(torch.nonzero(diff == diff.max())[0].tolist()) if diff.numel() else ()
+        raise AssertionError(
+            f"{name}: relative L2 error {err:.3e} > limit {limit:.3e} (tol {tol:.1e}"
+            + (f", baseline {rel_l2(baseline, r64):.3e} x {factor}" if baseline is not None else "")
+            + f"); worst at {list(idx)}: out={o64[idx].item():.6g} ref={r64[idx].item():.6g}")
+    return err
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One named test configuration. `seqlens` with `varlen=True` become `cu_seqlens`; with
+    `varlen=False` all lengths must be equal and the input is dense `[B, T, ...]`."""
+    name: str
+    seqlens: tuple[int, ...]
+    H: int = 2
+    HV: int = 4
+    K: int = 32
+    V: int = 32
+    varlen: bool = True
+    pad: int = 0                 # padding tokens after cu_seqlens[-1] (varlen only)
+    h0: bool = True
+    state_v_first: bool = False
+    gate: str = "model"          # model | bench | zero
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def model_gate(T: int, HV: int, *, generator: torch.Generator) -> torch.Tensor:
+    """`g = -exp(A_log) * softplus(a + dt_bias)` with exp(A_log) spread over [0, 16]: head 0 never decays,
+    the last head decays very hard (DESIGN.md §5). Shape [T, HV], float64."""
+    a_exp = torch.linspace(0.0, 16.0, HV, dtype=torch.float64)
+    a = torch.randn(T, HV, generator=generator, dtype=torch.float64) * 0.5
+    dt_bias = torch.randn(HV, generator=generator, dtype=torch.float64) * 0.5 - 1.0
+    g = -a_exp * torch.nn.functional.softplus(a + dt_bias)
+    if HV > 2:
+        g[:, 1] = -1e-4 * torch.rand(T, generator=generator, dtype=torch.float64)  # tiny negatives
+    return g
+
+
+def bench_gate(T: int, HV: int, *, generator: torch.Generator) -> torch.Tensor:
+    """FlashQLA's benchmark gate: logsigmoid(randn)/16 on 75% of heads, 0 on the rest."""
+    g = torch.nn.functional.logsigmoid(torch.randn(T, HV, generator=generator, dtype=torch.float64)) / 16
+    g[:, : HV // 4] = 0.0
+    return g
+
+
+def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, requires_grad: bool = False):
+    """Inputs for `chunk_gated_delta_rule` as a dict of keyword arguments (q, k l2-normalised)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(case.seqlens)
+    if case.varlen:
+        B, T = 1, total + case.pad
+    else:
+        assert len(set(case.seqlens)) == 1 and case.pad == 0
+        B, T = len(case.seqlens), case.seqlens[0]
+    N = len(case.seqlens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = torch.nn.functional.normalize(randn(B, T, case.H, case.K), dim=-1)
+    k = torch.nn.functional.normalize(randn(B, T, case.H, case.K), dim=-1)
+    v = randn(B, T, case.HV, case.V)
+    gate = {"model": model_gate, "bench": bench_gate,
+            "zero": lambda T, HV, generator: torch.zeros(T, HV, dtype=torch.float64)}[case.gate]
+    g = torch.stack([gate(T, case.HV, generator=gen) for _ in range(B)])
+    beta = torch.sigmoid(randn(B, T, case.HV))
+    out = dict(
+        q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.float(), beta=beta.to(dtype),
+        initial_state=None, cu_seqlens=None, state_v_first=case.state_v_first,
+    )
+    if case.h0:
+        shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
+        out["initial_state"] = randn(*shape).float()
+    if case.varlen:
+        cu = [0]
+        for n in case.seqlens:
+            cu.append(cu[-1] + n)
+        out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    for name in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"):
+        if out[name] is not None:
+            out[name] = out[name].to(device)
+            if requires_grad and out[name].is_floating_point():
+                out[name].requires_grad_(True)
+    return out

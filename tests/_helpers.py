@@ -1,31 +1,17 @@
 """Shared test helpers: the one tolerance helper, input makers and the named case type.
 
-Everything numeric in the tests goes through `assert_close`; per-tensor tolerances live in `TOLS`.
+Everything numeric in the tests goes through `assert_close`; per-tensor tolerances live in
+`flashdelta.numerics.TOLS` (shared with `flashdelta check` and the benchmark gate).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-# Relative L2 bounds vs the float64 reference for bf16/fp16 inputs (DESIGN.md §5). The gate-derived
-# gradients get twice the room: dg sums many products of exponentials, dbeta goes through the WY inverse.
-TOLS = {
-    "o": 1e-2, "ht": 1e-2, "h": 1e-2, "A": 1e-2, "g_cumsum": 1e-5,
-    "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dh0": 1e-2,
-    "dg": 2e-2, "dbeta": 2e-2,
-}
+from flashdelta.numerics import TOLS, rel_l2
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """`||out - ref|| / ||ref||` in float64 (0 when both are all-zero)."""
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    den = ref64.norm().item()
-    num = (out64 - ref64).norm().item()
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
+__all__ = ["TOLS", "Case", "assert_close", "bench_gate", "make_inputs", "model_gate", "rel_l2"]
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, *, baseline: torch.Tensor | None = None,

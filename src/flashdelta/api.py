@@ -1,0 +1,172 @@
+"""The public operator: argument validation in one place, then the custom op.
+
+Every malformed input raises `ValueError` / `TypeError` naming the argument, the value given and what
+is accepted, before any kernel is imported or launched.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .autograd import chunk_gdn_fwd
+
+_QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _tensor(name: str, x, ndim: int) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    return x
+
+
+def _flag(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {x!r} ({type(x).__name__})")
+    return x
+
+
+def _float_dtype(name: str, x: Tensor, allowed=None) -> None:
+    if allowed is None:
+        ok = x.is_floating_point()
+        allowed_txt = "a floating-point dtype"
+    else:
+        ok = x.dtype in allowed
+        allowed_txt = "one of " + ", ".join(str(d) for d in allowed)
+    if not ok:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected {allowed_txt}")
+
+
+def _can_read_values(x: Tensor) -> bool:
+    """True when reading `x` on the host neither breaks a torch.compile trace nor a CUDA-graph capture."""
+    if torch.compiler.is_compiling():
+        return False
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
+    cu = _tensor("cu_seqlens", cu_seqlens, 1)
+    if cu.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
+    if B != 1:
+        raise ValueError(f"cu_seqlens (varlen input) needs batch size 1, got q with B={B}; "
+                         f"pack the sequences along T")
+    if cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
+    if not _can_read_values(cu):
+        return  # validated eagerly outside torch.compile / CUDA-graph capture
+    host = cu.cpu()
+    if host[0].item() != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {host[0].item()}")
+    steps = host[1:] - host[:-1]
+    if (steps < 0).any():
+        i = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}]={host[i].item()} > "
+                         f"cu_seqlens[{i + 1}]={host[i + 1].item()}")
+    if host[-1].item() > T:
+        raise ValueError(f"cu_seqlens[-1]={host[-1].item()} exceeds the token count T={T} of q")
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    *,
+    state_v_first: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Gated DeltaNet, chunked: the FLA-compatible drop-in.
+
+    Per sequence and value head, token by token (state S is [K, V], float32)::
+
+        S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
+
+    Args:
+        q: ``[B, T, H, K]`` bf16/fp16 (fp32, fp64 accepted): queries.
+        k: ``[B, T, H, K]``, same dtype as q: keys.
+        v: ``[B, T, HV, V]``, same dtype as q: values. ``HV % H == 0``; value head i uses key head
+            ``i // (HV // H)`` (GVA).
+        g: ``[B, T, HV]`` float (computed in fp32): per-token log decay (<= 0), natural log.
+        beta: ``[B, T, HV]`` float: write strength.
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) float; N = B, or the number
+            of sequences with ``cu_seqlens``. None means zeros.
+        output_final_state: return the final state ``[N, HV, K, V]`` fp32 (same layout as initial_state).
+        use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
+        cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries for varlen input (B must be 1), FlashAttention
+            convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient.
+        state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.
+        Differentiable w.r.t. q, k, v, g, beta and initial_state.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _tensor(name, x, 4)
+        _float_dtype(name, x, _QKV_DTYPES)
+    _tensor("g", g, 3)
+    _tensor("beta", beta, 3)
+    _float_dtype("g", g)
+    _float_dtype("beta", beta)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K]={tuple(q.shape)}, got {tuple(k.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with q's B, T={tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    if H == 0 or K == 0 or HV == 0 or V == 0:
+        raise ValueError(f"head counts and head dims must be positive, got H={H}, K={K}, HV={HV}, V={V}")
+    if HV % H != 0:
+        raise ValueError(f"v has HV={HV} heads, which must be a multiple of q/k's H={H} heads (GVA)")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, T, HV):
+            raise ValueError(f"{name} must be [B, T, HV]={(B, T, HV)}, got {tuple(x.shape)}")
+    devices = {x.device for x in (q, k, v, g, beta)}
+    if initial_state is not None and isinstance(initial_state, Tensor):
+        devices.add(initial_state.device)
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    scale = float(scale)
+    output_final_state = _flag("output_final_state", output_final_state)
+    use_qk_l2norm_in_kernel = _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    state_v_first = _flag("state_v_first", state_v_first)
+
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4)
+        _float_dtype("initial_state", initial_state, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if tuple(initial_state.shape) != want:
+            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+            raise ValueError(f"initial_state must be {layout}={want} (N={N} sequences), "
+                             f"got {tuple(initial_state.shape)}")
+
+    need_bwd = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    o, final_state = chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                   use_qk_l2norm_in_kernel, state_v_first, need_bwd)
+    return o, (final_state if output_final_state else None)

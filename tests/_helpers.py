@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from flashdelta.numerics import TOLS, rel_l2
+from flashdelta.testing import bench_gate, model_gate
 
 __all__ = ["TOLS", "Case", "assert_close", "bench_gate", "make_inputs", "model_gate", "rel_l2"]
 
@@ -67,25 +68,6 @@ class Case:
 
     def __str__(self) -> str:
         return self.name
-
-
-def model_gate(T: int, HV: int, *, generator: torch.Generator) -> torch.Tensor:
-    """`g = -exp(A_log) * softplus(a + dt_bias)` with exp(A_log) spread over [0, 16]: head 0 never decays,
-    the last head decays very hard (DESIGN.md §5). Shape [T, HV], float64."""
-    a_exp = torch.linspace(0.0, 16.0, HV, dtype=torch.float64)
-    a = torch.randn(T, HV, generator=generator, dtype=torch.float64) * 0.5
-    dt_bias = torch.randn(HV, generator=generator, dtype=torch.float64) * 0.5 - 1.0
-    g = -a_exp * torch.nn.functional.softplus(a + dt_bias)
-    if HV > 2:
-        g[:, 1] = -1e-4 * torch.rand(T, generator=generator, dtype=torch.float64)  # tiny negatives
-    return g
-
-
-def bench_gate(T: int, HV: int, *, generator: torch.Generator) -> torch.Tensor:
-    """FlashQLA's benchmark gate: logsigmoid(randn)/16 on 75% of heads, 0 on the rest."""
-    g = torch.nn.functional.logsigmoid(torch.randn(T, HV, generator=generator, dtype=torch.float64)) / 16
-    g[:, : HV // 4] = 0.0
-    return g
 
 
 def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, requires_grad: bool = False):

@@ -1,0 +1,152 @@
+"""The public contract: import hygiene, validation of every malformed input, dispatch, signature docs."""
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashdelta
+from flashdelta import UnsupportedError, chunk_gated_delta_rule, dispatch
+from flashdelta.autograd import chunk_gdn_fwd
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+
+
+def _good(B=1, T=8, H=2, HV=4, K=16, V=8, N=None, varlen=False):
+    gen = torch.Generator().manual_seed(0)
+    x = dict(
+        q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
+        v=torch.randn(B, T, HV, V, generator=gen), g=-torch.rand(B, T, HV, generator=gen),
+        beta=torch.rand(B, T, HV, generator=gen),
+    )
+    if varlen:
+        x["cu_seqlens"] = torch.tensor([0, 3, T], dtype=torch.int32)
+    return x
+
+
+def test_import_touches_no_gpu_and_no_tilelang():
+    code = ("import sys, torch, flashdelta; "
+            "assert 'tilelang' not in sys.modules, 'tilelang imported'; "
+            "assert 'flashdelta.kernels' not in sys.modules; "
+            "assert not torch.cuda.is_initialized(); print('clean')")
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+# (id, keyword overrides applied to a valid varlen-free call, exception type, message regex)
+BAD_INPUTS = [
+    ("q-not-tensor", lambda x: x.update(q=[1.0]), TypeError, r"q must be a torch.Tensor"),
+    ("q-3d", lambda x: x.update(q=x["q"][0]), ValueError, r"q must have 4 dimensions"),
+    ("q-int", lambda x: x.update(q=x["q"].int()), TypeError, r"q has dtype torch.int32"),
+    ("k-shape", lambda x: x.update(k=x["k"][:, :, :1]), ValueError, r"k must have q's shape"),
+    ("k-dtype", lambda x: x.update(k=x["k"].double()), TypeError, r"q, k, v must share one dtype"),
+    ("v-T", lambda x: x.update(v=x["v"][:, :5]), ValueError, r"v must be \[B, T, HV, V\]"),
+    ("gva-not-multiple", lambda x: x.update(v=x["v"][:, :, :3], g=x["g"][..., :3], beta=x["beta"][..., :3]),
+     ValueError, r"HV=3 .* multiple of .* H=2"),
+    ("g-shape", lambda x: x.update(g=x["g"][..., :2]), ValueError, r"g must be \[B, T, HV\]"),
+    ("g-int", lambda x: x.update(g=x["g"].long()), TypeError, r"g has dtype torch.int64"),
+    ("beta-shape", lambda x: x.update(beta=x["beta"][:, :4]), ValueError, r"beta must be \[B, T, HV\]"),
+    ("scale-str", lambda x: x.update(scale="0.1"), TypeError, r"scale must be a finite real"),
+    ("scale-nan", lambda x: x.update(scale=float("nan")), TypeError, r"scale must be a finite real"),
+    ("scale-bool", lambda x: x.update(scale=True), TypeError, r"scale must be a finite real"),
+    ("flag-int", lambda x: x.update(output_final_state=1), TypeError, r"output_final_state must be a bool"),
+    ("l2norm-str", lambda x: x.update(use_qk_l2norm_in_kernel="yes"), TypeError, r"use_qk_l2norm_in_kernel"),
+    ("layout-none", lambda x: x.update(state_v_first=None), TypeError, r"state_v_first must be a bool"),
+    ("h0-count", lambda x: x.update(initial_state=torch.zeros(2, 4, 16, 8)), ValueError,
+     r"initial_state must be \[N, HV, K, V\]=\(1, 4, 16, 8\)"),
+    ("h0-layout", lambda x: x.update(initial_state=torch.zeros(1, 4, 8, 16)), ValueError,
+     r"initial_state must be \[N, HV, K, V\]"),
+    ("h0-int", lambda x: x.update(initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.int32)), TypeError,
+     r"initial_state has dtype"),
+    ("cu-float", lambda x: x.update(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, r"cu_seqlens has dtype"),
+    ("cu-2d", lambda x: x.update(cu_seqlens=torch.tensor([[0, 8]])), ValueError, r"cu_seqlens must have 1 dim"),
+    ("cu-short", lambda x: x.update(cu_seqlens=torch.tensor([0])), ValueError, r"N \+ 1 >= 2 entries"),
+    ("cu-start", lambda x: x.update(cu_seqlens=torch.tensor([1, 8])), ValueError, r"cu_seqlens\[0\] must be 0"),
+    ("cu-unsorted", lambda x: x.update(cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError,
+     r"non-decreasing; cu_seqlens\[1\]=5 > cu_seqlens\[2\]=3"),
+    ("cu-overflow", lambda x: x.update(cu_seqlens=torch.tensor([0, 9])), ValueError,
+     r"cu_seqlens\[-1\]=9 exceeds the token count T=8"),
+    ("cu-with-batch", lambda x: x.update({n: torch.cat([x[n], x[n]]) for n in ("q", "k", "v", "g", "beta")},
+                                         cu_seqlens=torch.tensor([0, 8])), ValueError, r"needs batch size 1"),
+    ("cu-h0-count", lambda x: x.update(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 4, 16, 8)),
+     ValueError, r"N=2 sequences"),
+    ("meta-device", lambda x: x.update(v=x["v"].to("meta")), ValueError, r"all tensors must be on one device"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,msg", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises(mutate, exc, msg):
+    x = _good()
+    mutate(x)
+    with pytest.raises(exc, match=msg):
+        chunk_gated_delta_rule(**x)
+
+
+def test_head_dims_must_be_positive():
+    x = _good(K=16)
+    x["q"], x["k"] = x["q"][..., :0], x["k"][..., :0]
+    with pytest.raises(ValueError, match="head dims must be positive"):
+        chunk_gated_delta_rule(**x)
+
+
+def test_forced_backend_errors(monkeypatch):
+    x = _good()
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "sm90")
+    with pytest.raises(UnsupportedError, match="needs CUDA tensors on an SM90"):
+        chunk_gated_delta_rule(**x)
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "cuda-magic")
+    with pytest.raises(UnsupportedError, match="is not one of"):
+        chunk_gated_delta_rule(**x)
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "torch")
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    assert o.shape == (1, 8, 4, 8) and ht.shape == (1, 4, 16, 8) and ht.dtype == torch.float32
+
+
+def test_dispatch_table_and_arch_override(monkeypatch):
+    cpu = torch.device("cpu")
+    assert dispatch.resolve(cpu, 128, 128, torch.bfloat16, need_bwd=True) == ("torch", "torch")
+    monkeypatch.setenv(dispatch.ENV_ARCH, "sm_90a")
+    assert dispatch.current_arch(cpu) == (9, 0)
+    monkeypatch.setenv(dispatch.ENV_ARCH, "hopper")
+    with pytest.raises(UnsupportedError, match="not an architecture"):
+        dispatch.current_arch(cpu)
+    assert dispatch.ARCH_TABLE[(9, 0)] == "sm90"
+
+
+def test_sm90_kernel_set_declares_its_limits():
+    kset = dispatch.load("sm90")
+    assert kset.has_fwd()
+    assert kset.unsupported(128, 128, torch.bfloat16) is None
+    assert "K=96" in kset.unsupported(96, 128, torch.bfloat16)
+    assert "float32" in kset.unsupported(128, 128, torch.float32)
+
+
+def test_docstring_args_match_signature():
+    sig = inspect.signature(chunk_gated_delta_rule)
+    doc = chunk_gated_delta_rule.__doc__
+    documented = re.findall(r"^\s{8}(\w+):", doc, flags=re.M)
+    assert documented == list(sig.parameters), (documented, list(sig.parameters))
+
+
+def test_backward_returns_one_gradient_per_input():
+    from flashdelta.autograd import _backward
+
+    n_inputs = len(chunk_gdn_fwd._opoverload._schema.arguments)
+    x = _good()
+    x = {n: t.requires_grad_(True) for n, t in x.items()}
+    o, _ = chunk_gated_delta_rule(**x)
+
+    class Ctx:
+        saved_tensors = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, None)
+        opts = (0.25, False, False)
+
+    grads = _backward(Ctx, torch.ones_like(o), None)
+    assert len(grads) == n_inputs == 11
+
+
+def test_public_exports():
+    assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule"}

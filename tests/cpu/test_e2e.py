@@ -1,0 +1,120 @@
+"""End to end on CPU: the public API (portable backend) against the token-by-token float64 recurrence,
+forward and every gradient; torch.compile(fullgraph=True); gradcheck; edge cases of the contract."""
+import pytest
+import torch
+from _helpers import Case, assert_close, make_inputs
+
+from flashdelta import chunk_gated_delta_rule
+from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+# fp32 compute on bf16-valued inputs: errors vs float64 are fp32 rounding, far below this bound.
+FP32_TOL = 2e-5
+
+CASES = [
+    Case("T1", (1,)),
+    Case("T63", (63,)),
+    Case("T64-noh0", (64,), h0=False),
+    Case("T65-vfirst", (65,), state_v_first=True),
+    Case("T200-gva1", (200,), H=4, HV=4),
+    Case("dense-B3-T70", (70, 70, 70), varlen=False),
+    Case("dense-B2-gva4-vfirst", (130, 130), H=1, HV=4, varlen=False, state_v_first=True),
+    Case("varlen-empty-one-pad", (0, 1, 100, 0, 64), pad=7),
+    Case("varlen-KneV", (33, 97), K=16, V=48, HV=8),
+    Case("varlen-bench-gate", (129, 40), gate="bench"),
+    Case("varlen-zero-gate-noh0", (90, 38), gate="zero", h0=False),
+]
+
+
+def _loss_weights(o, ht, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(ht.shape, generator=gen,
+                                                                                 dtype=torch.float64)
+
+
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2norm"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_public_api_matches_recurrence(case, l2norm):
+    x = make_inputs(case, dtype=torch.bfloat16, requires_grad=True)
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    do, dht = _loss_weights(o_ref, ht_ref)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    # o is returned in bf16, so its error is bf16 output rounding (~2e-3), not compute error
+    assert_close("o", o, o_ref, tol=4e-3)
+    assert_close("ht", ht, ht_ref, tol=FP32_TOL)
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        if x[name] is None:
+            continue
+        tname = {"initial_state": "dh0"}.get(name, "d" + name)
+        # gradients come back in the input dtype (bf16 for q/k/v/beta): compare to the rounded reference
+        ref = x64[name].grad.to(x[name].dtype)
+        assert_close(tname, x[name].grad, ref, tol=1e-2 if x[name].dtype == torch.bfloat16 else FP32_TOL)
+    if case.pad:
+        assert torch.all(o[:, -case.pad:] == 0)
+        assert torch.all(x["v"].grad[:, -case.pad:] == 0) and torch.all(x["g"].grad[:, -case.pad:] == 0)
+
+
+def test_float64_inputs_are_exact():
+    case = Case("f64", (70, 0, 5), HV=4)
+    x = make_inputs(case, dtype=torch.float64)
+    x["g"] = x["g"].double()
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
+    assert o.dtype == torch.float64
+    assert_close("o", o, o_ref, tol=1e-10)
+    assert_close("ht", ht, ht_ref, tol=1e-6)  # final state is float32 by contract
+
+
+def test_empty_sequence_keeps_state_and_zero_tokens():
+    x = make_inputs(Case("empty", (0, 0), pad=0), dtype=torch.float32)
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    assert o.shape == (1, 0, 4, 32)
+    assert torch.equal(ht, x["initial_state"])
+
+
+@pytest.mark.parametrize("case", [Case("gc-T5", (5,), H=1, HV=2, K=4, V=3),
+                                  Case("gc-varlen", (66, 2), H=1, HV=2, K=4, V=4, pad=2, state_v_first=True)],
+                         ids=str)
+def test_gradcheck_float64(case):
+    x = make_inputs(case, dtype=torch.float64, requires_grad=True)
+    x["g"] = x["g"].detach().double().requires_grad_(True)
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+
+    def f(*tensors):
+        kw = dict(x, **dict(zip(names, tensors)))
+        o, ht = chunk_gated_delta_rule(**kw, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o, ht
+
+    assert torch.autograd.gradcheck(f, tuple(x[n] for n in names), fast_mode=True, atol=1e-7, rtol=1e-5)
+
+
+def test_torch_compile_fullgraph_cpu():
+    case = Case("compile", (40, 40), varlen=False, H=2, HV=4, K=16, V=16)
+    x = make_inputs(case, dtype=torch.float32, requires_grad=True)
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+        return (o * o).sum() + ht.square().sum()
+
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(*args)
+    grads_c = torch.autograd.grad(loss_c, args)
+    loss_e = f(*args)
+    grads_e = torch.autograd.grad(loss_e, args)
+    torch.testing.assert_close(loss_c, loss_e)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge)
+
+
+def test_only_final_state_used_in_loss():
+    x = make_inputs(Case("ht-only", (70,)), dtype=torch.float32, requires_grad=True)
+    _, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    ht.sum().backward()
+    assert x["q"].grad is not None and torch.all(x["q"].grad == 0)  # q only reaches o
+    assert x["k"].grad.abs().sum() > 0

@@ -1,0 +1,453 @@
+"""Portable PyTorch implementation of the chunked Gated DeltaNet stages (docs/stages.md).
+
+This is the backend used where no Hopper GPU is present, the body of the float64 reference
+(`flashdelta.reference.chunked` calls it at ``compute_dtype=torch.float64``) and, with ``operand_dtype``,
+the "same algorithm in PyTorch at the kernel's precision" baseline of the tests.
+
+The math (ungated WY inverse, chunk step, explicit backward, transition M) is written out once in
+docs/algorithm.md; the section numbers in the comments below point there.
+
+Implementation notes
+--------------------
+* Inputs are in the flat varlen form (batch dim 1, ``cu_seqlens`` given; it is read on the host).
+* Tokens are gathered once into a padded chunk layout ``[NT, heads, BT, D]``. Rows of a ragged last chunk
+  past the sequence end are zero (q, k, v, beta, A rows) and repeat the chunk's last cumulative gate, which
+  makes every padded row inert: it contributes exactly nothing to outputs, states or gradients
+  (docs/algorithm.md §2.4), so no padding garbage can leak.
+* The serial walk loops over the chunk index ``c`` in Python; each step is batched over every
+  (sequence that has a chunk ``c``) x (value head), so many short sequences cost as little as one long one.
+* ``compute_dtype`` (float32 or float64) is the accumulation and element-wise dtype. With ``operand_dtype``
+  (e.g. torch.bfloat16) every GEMM operand is rounded to it just before the product, as a tensor-core
+  kernel does, and A is rounded when stored. The gate (cumsum, exp) always stays in float32 or better.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
+    "chunked_fwd", "chunked_bwd", "l2norm_fwd", "l2norm_bwd", "chunk_layout",
+]
+
+Tensor = torch.Tensor
+L2NORM_EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Host-side description of how the flat varlen tokens fall into chunks (docs/stages.md conventions).
+
+    ``tok[c, r]`` is the token of row ``r`` of global chunk ``c`` (clamped to a valid index where the row is
+    padding), ``valid[c, r]`` says whether the row is a real token, ``clen[c]`` is the chunk's length.
+    ``steps[i] = (chunk_ids, seq_ids)`` lists, for chunk index ``i`` within a sequence, the global chunks
+    and their sequences (only sequences that have an ``i``-th chunk).
+    """
+    T: int
+    BT: int
+    N: int
+    NT: int
+    cu: tuple[int, ...]
+    chunk_offsets: tuple[int, ...]
+    tok: Tensor
+    valid: Tensor
+    clen: Tensor
+    steps: tuple[tuple[Tensor, Tensor], ...]
+
+
+def chunk_layout(cu_seqlens: Tensor, T: int, chunk_size: int, device) -> ChunkLayout:
+    """Build the chunk layout of `cu_seqlens` (read on the host) for a buffer of `T` tokens."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: the internal stages need it (flat varlen form); got None")
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > T:
+        raise ValueError(f"cu_seqlens: must start at 0, be non-decreasing and end <= T={T}; got {cu}")
+    BT = int(chunk_size)
+    N = len(cu) - 1
+    nch = [-(-(cu[n + 1] - cu[n]) // BT) for n in range(N)]
+    offs = [0]
+    for x in nch:
+        offs.append(offs[-1] + x)
+    NT = offs[-1]
+    starts, ends = [], []
+    for n in range(N):
+        for c in range(nch[n]):
+            starts.append(cu[n] + c * BT)
+            ends.append(cu[n + 1])
+    start_t = torch.tensor(starts, dtype=torch.long, device=device).reshape(NT)
+    end_t = torch.tensor(ends, dtype=torch.long, device=device).reshape(NT)
+    tok = start_t[:, None] + torch.arange(BT, device=device)[None, :]
+    valid = tok < end_t[:, None]
+    tok = torch.where(valid, tok, torch.zeros_like(tok))
+    clen = valid.sum(1)
+    offs_t = torch.tensor(offs[:-1], dtype=torch.long, device=device)
+    steps = []
+    for c in range(max(nch, default=0)):
+        seqs = [n for n in range(N) if nch[n] > c]
+        if len(seqs) == N:
+            seq_ids = torch.arange(N, device=device)
+        else:
+            seq_ids = torch.tensor(seqs, dtype=torch.long, device=device)
+        steps.append((offs_t[seq_ids] + c, seq_ids))
+    return ChunkLayout(T=T, BT=BT, N=N, NT=NT, cu=tuple(cu), chunk_offsets=tuple(offs), tok=tok,
+                       valid=valid, clen=clen, steps=tuple(steps))
+
+
+def _gather(x: Tensor, lay: ChunkLayout, dtype) -> Tensor:
+    """[1, T, Hx(, D)] -> [NT, Hx, BT(, D)] in `dtype`, zero on padded rows."""
+    y = x[0].to(dtype)[lay.tok]                                     # [NT, BT, Hx(, D)]
+    mask = lay.valid.reshape(lay.valid.shape + (1,) * (y.dim() - 2))
+    y = torch.where(mask, y, torch.zeros((), dtype=dtype, device=y.device))
+    return y.transpose(1, 2).contiguous()
+
+
+def _scatter(xc: Tensor, lay: ChunkLayout, dtype) -> Tensor:
+    """[NT, Hx, BT(, D)] -> [1, T, Hx(, D)] in `dtype`, zero on tokens outside every chunk (padding tail)."""
+    y = xc.transpose(1, 2)                                          # [NT, BT, Hx(, D)]
+    out = torch.zeros((lay.T,) + tuple(y.shape[2:]), dtype=dtype, device=xc.device)
+    out[lay.tok[lay.valid]] = y[lay.valid].to(dtype)
+    return out.unsqueeze(0)
+
+
+def _gather_gate(g_cumsum: Tensor, lay: ChunkLayout, dtype) -> Tensor:
+    """Chunked cumulative gate [NT, HV, BT]; padded rows repeat the chunk's last real value (inert rows)."""
+    G = _gather(g_cumsum, lay, dtype)
+    last = G.gather(-1, (lay.clen - 1).clamp_min(0)[:, None, None].expand(G.shape[0], G.shape[1], 1))
+    return torch.where(lay.valid[:, None, :], G, last)
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+def _check_dtypes(compute_dtype, operand_dtype):
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype: {compute_dtype} not supported; use torch.float32 or torch.float64")
+    if operand_dtype is not None and not operand_dtype.is_floating_point:
+        raise ValueError(f"operand_dtype: {operand_dtype} is not a floating dtype")
+
+
+def _state_dtype(compute_dtype):
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
+def _rounder(compute_dtype, operand_dtype) -> Callable[[Tensor], Tensor]:
+    """GEMM operand rounding: identity, or round-trip through `operand_dtype`."""
+    if operand_dtype is None or operand_dtype == compute_dtype:
+        return lambda x: x
+    return lambda x: x.to(operand_dtype).to(compute_dtype)
+
+
+def _head_map(H: int, HV: int, device) -> Tensor:
+    if H <= 0 or HV % H != 0:
+        raise ValueError(f"HV={HV} must be a positive multiple of H={H}")
+    return torch.arange(HV, device=device) // (HV // H)
+
+
+def _default_scale(scale, K):
+    return K ** -0.5 if scale is None else float(scale)
+
+
+def _state_in(state: Optional[Tensor], N, HV, K, V, state_v_first, dtype, device, name) -> Tensor:
+    """Caller's state ([N,HV,K,V] or [N,HV,V,K]) -> internal [N, HV, K, V] in `dtype` (zeros for None)."""
+    if state is None:
+        return torch.zeros(N, HV, K, V, dtype=dtype, device=device)
+    want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if tuple(state.shape) != want:
+        raise ValueError(f"{name}: shape {tuple(state.shape)}, expected {want} (state_v_first={state_v_first})")
+    s = state.to(dtype)
+    return s.transpose(-1, -2).contiguous() if state_v_first else s.clone()
+
+
+def _state_out(s: Tensor, state_v_first: bool, dtype) -> Tensor:
+    s = s.to(dtype)
+    return s.transpose(-1, -2).contiguous() if state_v_first else s
+
+
+# ------------------------------------------------------------------------------------------------ chunk math
+
+def _tril(BT, device, diagonal=0):
+    return torch.ones(BT, BT, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def _gamma(G: Tensor, tril: Tensor) -> Tensor:
+    """Gamma_ij = exp(G_i - G_j) for i >= j, else 0; never forms exp(+G) (docs/algorithm.md §2.1)."""
+    d = G[..., :, None] - G[..., None, :]
+    return torch.exp(torch.where(tril, d, torch.full((), -math.inf, dtype=G.dtype, device=G.device)))
+
+
+def _fwd_step(Q, K, V, G, b, A, S0, *, scale, rnd, tril, need_o):
+    """One chunk (batched over leading dims) from state S0 [.., K, V]: returns (O or None, S1). §2.2."""
+    eG = G.exp()
+    GL = G[..., -1:]
+    eL = GL.exp()
+    Gam = _gamma(G, tril)
+    Ag = A * Gam * b[..., None, :]                         # (A o Gamma) diag(b)
+    Kr, S0r = rnd(K), rnd(S0)
+    U = Kr @ S0r                                            # K S0
+    W = V - eG[..., None] * U                               # V - D K S0
+    Vn = rnd(Ag) @ rnd(W)                                   # new values V'
+    R = torch.exp(GL - G)                                   # exp(G_last - G) <= 1
+    S1 = eL[..., None] * S0 + Kr.transpose(-1, -2) @ rnd(R[..., None] * Vn)
+    O = None
+    if need_o:
+        Qr = rnd(Q)
+        Pg = (scale * Gam) * (Qr @ Kr.transpose(-1, -2))
+        O = (scale * eG)[..., None] * (Qr @ S0r) + rnd(Pg) @ rnd(Vn)
+    return O, S1
+
+
+def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
+    """Explicit backward of one chunk (docs/algorithm.md §3). Returns dq, dk, dv, dbeta, dG, dS0."""
+    slower = tril & ~torch.eye(tril.shape[0], dtype=torch.bool, device=tril.device)
+    eG = G.exp()
+    GL = G[..., -1:]
+    eL = GL.exp()
+    Gam = _gamma(G, tril)
+    R = torch.exp(GL - G)
+    bcol = b[..., None, :]
+    Ag = A * Gam * bcol
+    Qr, Kr, S0r, dOr, dS1r = rnd(Q), rnd(K), rnd(S0), rnd(dO), rnd(dS1)
+    Agr = rnd(Ag)
+    mT = lambda x: x.transpose(-1, -2)  # noqa: E731
+    # recompute the forward pieces
+    U = Kr @ S0r
+    W = V - eG[..., None] * U
+    Vn = Agr @ rnd(W)
+    P = Qr @ mT(Kr)
+    Pg = (scale * Gam) * P
+    # value path
+    dVn = mT(rnd(Pg)) @ dOr + R[..., None] * (Kr @ dS1r)   # dV' = Pg^T dO + R K dS1
+    dW = mT(Agr) @ rnd(dVn)                                 # = dv
+    dU = -eG[..., None] * dW
+    dAg = rnd(dVn) @ mT(rnd(W))
+    dAb = Gam * dAg
+    dA = dAb * bcol
+    Ar = rnd(A)
+    dL = -(rnd(mT(Ar) @ rnd(dA)) @ mT(Ar))
+    dL = torch.where(slower, dL, torch.zeros((), dtype=dL.dtype, device=dL.device))
+    # output path
+    dPg = dOr @ mT(rnd(Vn))
+    dP = (scale * Gam) * dPg
+    dq1 = (scale * eG)[..., None] * (dOr @ mT(S0r))        # s D dO S0^T
+    dq = dq1 + rnd(dP) @ Kr
+    # keys
+    RVn = R[..., None] * Vn
+    dkS = rnd(RVn) @ mT(dS1r)                               # R V' dS1^T
+    dAt = b[..., :, None] * dL
+    dk = dkS + rnd(dU) @ mT(S0r) + mT(rnd(dP)) @ Qr + rnd(dAt + mT(dAt)) @ Kr
+    # beta
+    KKt = Kr @ mT(Kr)
+    dAbA = dAb * A
+    db = dAbA.sum(-2) + (dL * KKt).sum(-1)
+    # gate (w.r.t. the chunk-local cumsum G)
+    Mx = Pg * dPg + dAbA * bcol
+    kdk = (K * dkS).sum(-1)
+    dG = (dU * U).sum(-1) + (Q * dq1).sum(-1) - kdk + Mx.sum(-1) - Mx.sum(-2)
+    last = (kdk.sum(-1) + eL[..., 0] * (dS1 * S0).sum((-1, -2)))  # terms of the chunk's last real row
+    idx = (clen - 1).clamp_min(0).reshape(-1, 1, 1).expand(dG.shape[0], dG.shape[1], 1)
+    dG = dG.scatter_add(-1, idx, last[..., None])
+    # state gradient
+    dS0 = eL[..., None] * dS1 + mT(Kr) @ rnd(dU) + scale * (mT(Qr) @ rnd(eG[..., None] * dO))
+    return dq, dk, dW, db, dG, dS0
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+    """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1).
+
+    Returns ``g_cumsum [1,T,HV]`` (float32; float64 when compute_dtype is float64; 0 on padding) and
+    ``A [1,T,HV,BT]`` (row i of each chunk's ``(I + strictly_lower(diag(b) K K^T))^{-1}`` at token
+    ``chunk_start + i``; columns past the chunk's length are 0), in `operand_dtype` if set else compute_dtype.
+    """
+    _check_dtypes(compute_dtype, operand_dtype)
+    cd, gd = compute_dtype, _state_dtype(compute_dtype)
+    rnd = _rounder(cd, operand_dtype)
+    T, H = k.shape[1], k.shape[2]
+    HV = g.shape[-1]
+    lay = chunk_layout(cu_seqlens, T, chunk_size, k.device)
+    hmap = _head_map(H, HV, k.device)
+    gc = _gather(g, lay, gd).cumsum(-1)                       # padded rows are 0 -> repeat the last value
+    g_cumsum = _scatter(gc, lay, gd)
+    kc = rnd(_gather(k, lay, cd))                             # [NT, H, BT, K]
+    bc = _gather(beta, lay, cd)                               # [NT, HV, BT]
+    KKt = (kc @ kc.transpose(-1, -2))[:, hmap]                # [NT, HV, BT, BT], shared by a key head's group
+    BT = lay.BT
+    slower = _tril(BT, k.device, -1)
+    Lm = torch.where(slower, bc[..., :, None] * KKt, torch.zeros((), dtype=cd, device=k.device))
+    eye = torch.eye(BT, dtype=cd, device=k.device).expand_as(Lm)
+    # unit lower-triangular solve (the diagonal of Lm is ignored: unitriangular)
+    Ac = torch.linalg.solve_triangular(Lm, eye, upper=False, unitriangular=True)
+    adt = operand_dtype if operand_dtype is not None else cd
+    A = _scatter(Ac, lay, adt)
+    return g_cumsum, A
+
+
+def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
+    kc = _gather(k, lay, cd)
+    qc = _gather(q, lay, cd) if q is not None else None
+    vc = _gather(v, lay, cd)
+    Gc = _gather_gate(g_cumsum, lay, _state_dtype(cd)).to(cd)
+    bc = _gather(beta, lay, cd)
+    Ac = _gather(A, lay, cd)                                  # [NT, HV, BT, BT]
+    return qc, kc, vc, Gc, bc, Ac
+
+
+def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
+              chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+    """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
+    ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64)."""
+    _check_dtypes(compute_dtype, operand_dtype)
+    cd = compute_dtype
+    rnd = _rounder(cd, operand_dtype)
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    scale = _default_scale(scale, K)
+    lay = chunk_layout(cu_seqlens, T, chunk_size, q.device)
+    hmap = _head_map(H, HV, q.device)
+    qc, kc, vc, Gc, bc, Ac = _gather_all(q, k, v, g_cumsum, beta, A, lay, cd)
+    S = _state_in(initial_state, lay.N, HV, K, V, state_v_first, cd, q.device, "initial_state")
+    oc = torch.zeros(lay.NT, HV, lay.BT, V, dtype=cd, device=q.device)
+    tril = _tril(lay.BT, q.device)
+    for ids, seqs in lay.steps:
+        O, S1 = _fwd_step(qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S[seqs],
+                          scale=scale, rnd=rnd, tril=tril, need_o=True)
+        oc[ids] = O
+        S[seqs] = S1
+    o = _scatter(oc, lay, v.dtype)
+    return o, _state_out(S, state_v_first, _state_dtype(cd))
+
+
+def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64,
+                    compute_dtype=torch.float32, operand_dtype=None):
+    """The state entering every chunk: ``h [NT,HV,K,V]`` (or ``[NT,HV,V,K]``), float32 (float64 at float64)."""
+    _check_dtypes(compute_dtype, operand_dtype)
+    cd = compute_dtype
+    rnd = _rounder(cd, operand_dtype)
+    T, H, K = k.shape[1], k.shape[2], k.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    lay = chunk_layout(cu_seqlens, T, chunk_size, k.device)
+    hmap = _head_map(H, HV, k.device)
+    _, kc, vc, Gc, bc, Ac = _gather_all(None, k, v, g_cumsum, beta, A, lay, cd)
+    S = _state_in(initial_state, lay.N, HV, K, V, state_v_first, cd, k.device, "initial_state")
+    h = torch.zeros(lay.NT, HV, K, V, dtype=cd, device=k.device)
+    tril = _tril(lay.BT, k.device)
+    for ids, seqs in lay.steps:
+        S0 = S[seqs]
+        h[ids] = S0
+        _, S1 = _fwd_step(None, kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S0,
+                          scale=1.0, rnd=rnd, tril=tril, need_o=False)
+        S[seqs] = S1
+    return _state_out(h, state_v_first, _state_dtype(cd))
+
+
+def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None, state_v_first=False,
+              chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+    """Explicit chunked backward (docs/algorithm.md §3), chunks walked in reverse with dS carried.
+
+    Returns ``dq [1,T,HV,K]``, ``dk [1,T,HV,K]`` (per value head), ``dv [1,T,HV,V]``, ``dbeta [1,T,HV]``,
+    ``dG [1,T,HV]`` (w.r.t. g_cumsum), all in compute_dtype, and ``dh0`` (state layout, float32/float64).
+    """
+    _check_dtypes(compute_dtype, operand_dtype)
+    cd = compute_dtype
+    rnd = _rounder(cd, operand_dtype)
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    scale = _default_scale(scale, K)
+    dev = q.device
+    lay = chunk_layout(cu_seqlens, T, chunk_size, dev)
+    hmap = _head_map(H, HV, dev)
+    qc, kc, vc, Gc, bc, Ac = _gather_all(q, k, v, g_cumsum, beta, A, lay, cd)
+    doc = _gather(do, lay, cd)
+    if tuple(h.shape) != ((lay.NT, HV, V, K) if state_v_first else (lay.NT, HV, K, V)):
+        raise ValueError(f"h: shape {tuple(h.shape)} does not match NT={lay.NT}, HV={HV}, K={K}, V={V}")
+    hc = h.to(cd)
+    if state_v_first:
+        hc = hc.transpose(-1, -2)
+    dS = _state_in(dht, lay.N, HV, K, V, state_v_first, cd, dev, "dht")
+    NT, BT = lay.NT, lay.BT
+    dqc = torch.zeros(NT, HV, BT, K, dtype=cd, device=dev)
+    dkc = torch.zeros(NT, HV, BT, K, dtype=cd, device=dev)
+    dvc = torch.zeros(NT, HV, BT, V, dtype=cd, device=dev)
+    dbc = torch.zeros(NT, HV, BT, dtype=cd, device=dev)
+    dGc = torch.zeros(NT, HV, BT, dtype=cd, device=dev)
+    tril = _tril(BT, dev)
+    for ids, seqs in reversed(lay.steps):
+        dq, dk, dv, db, dG, dS0 = _bwd_step(
+            qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], hc[ids], doc[ids],
+            dS[seqs], lay.clen[ids], scale=scale, rnd=rnd, tril=tril)
+        dqc[ids], dkc[ids], dvc[ids], dbc[ids], dGc[ids] = dq, dk, dv, db, dG
+        dS[seqs] = dS0
+    valid = lay.valid[:, None, :]
+    zero = torch.zeros((), dtype=cd, device=dev)
+    dbc = torch.where(valid, dbc, zero)
+    dGc = torch.where(valid, dGc, zero)
+    return (_scatter(dqc, lay, cd), _scatter(dkc, lay, cd), _scatter(dvc, lay, cd), _scatter(dbc, lay, cd),
+            _scatter(dGc, lay, cd), _state_out(dS, state_v_first, _state_dtype(cd)))
+
+
+def group_sum(dx, H, *, compute_dtype=torch.float32, operand_dtype=None):
+    """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head (accumulated in at
+    least compute_dtype, returned in dx.dtype)."""
+    B, T, HV, D = dx.shape
+    if HV % H != 0:
+        raise ValueError(f"H={H} must divide HV={HV}")
+    acc = torch.promote_types(dx.dtype, compute_dtype)
+    return dx.to(acc).reshape(B, T, H, HV // H, D).sum(3).to(dx.dtype)
+
+
+def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+    """Chunk-local reverse cumsum of dG: the gradient w.r.t. the raw g ([1,T,HV], 0 on padding)."""
+    T = dG.shape[1]
+    acc = torch.promote_types(dG.dtype, _state_dtype(compute_dtype))
+    lay = chunk_layout(cu_seqlens, T, chunk_size, dG.device)
+    x = _gather(dG, lay, acc)
+    x = x.flip(-1).cumsum(-1).flip(-1)
+    return _scatter(x, lay, acc)
+
+
+# ------------------------------------------------------------------------------------------------ composites
+
+def l2norm_fwd(x):
+    """``y = x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, in x.dtype, with rstd (float32 or float64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)
+    return (xf * rstd).to(x.dtype), rstd
+
+
+def l2norm_bwd(y, rstd, dy):
+    """``dx = (dy - (dy . y) y) * rstd``, in dy.dtype."""
+    acc = rstd.dtype
+    yf, dyf = y.to(acc), dy.to(acc)
+    return ((dyf - (dyf * yf).sum(-1, keepdim=True) * yf) * rstd).to(dy.dtype)
+
+
+def chunked_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None, state_v_first=False, chunk_size=64,
+                compute_dtype=torch.float32, operand_dtype=None):
+    """prepare_fwd + chunk_fwd from the raw gate. Returns ``(o, final_state, g_cumsum, A)``."""
+    g_cumsum, A = prepare_fwd(k, g, beta, cu_seqlens, chunk_size=chunk_size, compute_dtype=compute_dtype,
+                              operand_dtype=operand_dtype)
+    o, ht = chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                      state_v_first=state_v_first, chunk_size=chunk_size, compute_dtype=compute_dtype,
+                      operand_dtype=operand_dtype)
+    return o, ht, g_cumsum, A
+
+
+def chunked_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale=None,
+                state_v_first=False, H=None, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+    """state_recompute + chunk_bwd + group_sum + prepare_bwd.
+
+    Returns ``(dq [1,T,H,K], dk [1,T,H,K], dv, dbeta, dg, dh0)`` with dg w.r.t. the raw g."""
+    H = q.shape[2] if H is None else H
+    kw = dict(compute_dtype=compute_dtype, operand_dtype=operand_dtype)
+    h = state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, state_v_first=state_v_first,
+                        chunk_size=chunk_size, **kw)
+    dq, dk, dv, db, dG, dh0 = chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, scale=scale,
+                                        state_v_first=state_v_first, chunk_size=chunk_size, **kw)
+    dg = prepare_bwd(dG, cu_seqlens, chunk_size=chunk_size, **kw)
+    return group_sum(dq, H, **kw), group_sum(dk, H, **kw), dv, db, dg, dh0

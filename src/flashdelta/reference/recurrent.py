@@ -80,7 +80,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     o_rows = []
     for b in range(B):
         used = sum(x.shape[0] for x in rows[b])
-        if used < T:
+        if used < T or not rows[b]:
             rows[b].append(torch.zeros(T - used, HV, V, dtype=f64, device=q.device))
         o_rows.append(torch.cat(rows[b], 0))
     o = torch.stack(o_rows)

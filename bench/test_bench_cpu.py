@@ -1,0 +1,137 @@
+"""CPU checks of the benchmark's own logic (no GPU): ``python -m pytest bench/test_bench_cpu.py``.
+
+Not part of the package's test suite (pytest's testpaths is tests/); run it after editing bench/.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(ROOT, "src"))
+
+import gate  # noqa: E402
+import report  # noqa: E402
+import shapes  # noqa: E402
+import timing  # noqa: E402
+
+
+def test_grid_sizes_and_names():
+    assert len(shapes.cases("fwd")) == 8 * 12
+    assert len(shapes.cases("bwd")) == 4 * 2 * 4
+    assert len(shapes.cases("fwdbwd")) == 32
+    names = [c.name for s in shapes.SUITES for c in shapes.cases(s)]
+    assert len(names) == len(set(names))
+    for c in shapes.cases("bwd") + shapes.cases("fwd"):
+        assert c.tokens in (32768, 16384, 8192, 4096, 2048)
+        assert c.hv % c.h == 0
+        assert min(c.seqlens) >= shapes.MIN_SPLIT_LEN
+        assert shapes.parse_seqlens(c.seqlens_str) == c.seqlens
+        g = c.gate_seqlens()
+        assert len(g) == c.n_seqs and sum(g) <= shapes.GATE_MAX_TOKENS and min(g) >= 1
+
+
+def test_random_split_is_seeded_and_exact():
+    for total, n in ((8192, 2), (8192, 8), (32768, 4)):
+        seed = shapes.split_seed(total, n)
+        a = shapes.random_split(total, n, seed)
+        assert a == shapes.random_split(total, n, seed)
+        assert sum(a) == total and len(a) == n and min(a) >= shapes.MIN_SPLIT_LEN
+    bwd = {c.seqlens for c in shapes.cases("bwd") if c.h == 16}
+    assert bwd == {c.seqlens for c in shapes.cases("bwd") if c.h == 2}   # same split for every head config
+
+
+def test_seqlens_format():
+    assert shapes.format_seqlens((32768,)) == "1x32768"
+    assert shapes.format_seqlens((8192,) * 4) == "8192x4"
+    assert shapes.format_seqlens((28672, 4096)) == "28672+4096"
+    assert shapes.parse_seqlens("1x32768") == (32768,)
+
+
+def test_quick_subset():
+    for s in shapes.SUITES:
+        q = shapes.cases(s, quick=True)
+        assert 1 <= len(q) <= 4 and len({(c.h, c.hv) for c in q}) == 1
+
+
+def test_flop_and_floor_model():
+    assert timing.fwd_flops_per_token_head() == 163_840
+    assert timing.bwd_flops_per_token_head() == 491_520
+    # DESIGN.md §6: TP1 (16/64) 1x32k: compute floor 0.44 ms, memory floor 0.32 ms
+    rf = timing.roofline("fwd", 32768, 16, 64, 1)
+    assert abs(rf.compute_ms - 0.435) < 0.005 and abs(rf.memory_ms - 0.318) < 0.005
+    assert math.isclose(rf.floor_frac(rf.floor_ms * 2), 0.5)
+    assert math.isclose(rf.tflops(rf.compute_ms), timing.PEAK_TFLOPS)
+
+
+def test_quantile():
+    xs = [5, 1, 4, 2, 3]
+    assert timing.quantile(xs, 0.5) == 3
+    assert timing.quantile(xs, 0.0) == 1 and timing.quantile(xs, 1.0) == 5
+    assert math.isclose(timing.quantile(xs, 0.2), 1.8)
+
+
+def test_full_size_verdicts():
+    import torch
+
+    base = torch.randn(64, dtype=torch.float64)
+    near = base + 1e-4 * torch.randn(64, dtype=torch.float64)
+    far = base + 0.5 * torch.randn(64, dtype=torch.float64)
+    three = gate.full_size_verdicts({"a": {"o": base}, "b": {"o": near}, "c": {"o": far}}, ("o",))
+    assert three["a"][0] == "ok" and three["b"][0] == "ok" and three["c"][0] == "fail"
+    two = gate.full_size_verdicts({"a": {"o": base}, "c": {"o": far}}, ("o",))
+    assert two["a"][0] == two["c"][0] == "mismatch"
+    nan = base.clone()
+    nan[3] = float("nan")
+    assert gate.rel_l2(nan, base) == math.inf
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_gate_on_cpu_with_the_portable_path(grads, monkeypatch):
+    """The gate machinery end to end on CPU: flashdelta's portable path vs the float64 recurrence."""
+    pytest.importorskip("flashdelta")
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "torch")
+    import providers as P
+
+    prov = P.FlashDelta()
+    if prov.load():
+        pytest.skip(f"flashdelta not importable: {prov.load()}")
+    inp = P.make_inputs((40, 70), 2, 4, 32, 32, seed=3, device="cpu", requires_grad=grads)
+    ref = gate.reference(inp, grads=grads)
+    outs = gate.results(prov, inp, grads=grads)
+    names = gate.ALL_NAMES if grads else gate.FWD_NAMES
+    worst, detail, ok = gate.compare(outs, ref, names)
+    assert ok, detail
+    assert worst < 1e-2
+
+
+def test_csv_roundtrip_table_and_dry_run(tmp_path):
+    out = tmp_path / "r.csv"
+    cmd = [sys.executable, os.path.join(HERE, "run.py"), "--suite", "fwd,bwd", "--quick", "--fake",
+           "--out", str(out), "--no-chart"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    env, rows = report.read_csv(str(out))
+    assert env["FAKE"] and "flop_model" in env and "flashdelta_commit" in env
+    assert len(rows) == 4 * 3
+    assert set(report.COLUMNS) <= set(rows[0])
+    table = report.format_table(rows, "flashdelta")
+    assert "flashdelta/fla" in table and "geomean" in table
+    res = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--suite", "fwd", "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("96 cases")
+
+
+def test_chart_when_matplotlib_present(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(suite="fwd", case=f"fwd/h2v8/c{i}", provider=p, ms=str(ms), timing="cudagraph", cp="1")
+            for i in range(3) for p, ms in (("flashdelta", 1.0), ("fla", 2.5), ("flashqla", 1.3))]
+    png = report.chart(rows, str(tmp_path / "c.png"))
+    assert png and os.path.getsize(png) > 1000
+    assert report.chart(rows, str(tmp_path / "d.png"), subject="nobody") is None

@@ -1,0 +1,362 @@
+"""Fused chunked GDN forward (Hopper, TileLang): o and the final state in one launch.
+
+One CTA walks every chunk of one (sequence, value head, V slice) with the state in fp32 registers. Per chunk
+(docs/stages.md notation, C = BT = 64, S0 the state entering the chunk, the state held transposed as
+``S^T [BV, K]`` so that it is the register A operand of every GEMM that reads it):
+
+    Ag  = (A o Gamma) diag(beta)                         state-independent, "prep" warpgroup
+    Xn  = -diag(exp G) (A o beta_j) K                    state-independent, "prep"
+    Pg  = scale * Gamma o (Q K^T)                        state-independent, "prep"
+    Vd^T = V^T Ag^T + S0^T Xn^T                          = (Ag (V - D K S0))^T, "state" warpgroup
+    O^T  = diag-scaled (S0^T Q^T) + Vd^T Pg^T            "state"
+    S1^T = exp(G_last) S0^T + (Vd^T diag(R)) K           "state"
+
+The serial chain S0 -> Vd -> S1 is two register-A wgmma groups and one fp32->bf16 conversion: no shared-memory
+round trip. Warp roles (384 threads):
+
+- WG0 "state"   (240 regs): the chain above, then O^T -> o_shared (transposed) for the store warp.
+- WG1 "prep"    (232 regs): zeroes rows past a ragged chunk's end, Q K^T, Gamma, Pg, Ag (in place over the A
+  tile), Xn, and the per-row scalars R, scale*exp(G), exp(G_last); runs one chunk ahead of WG0.
+- WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A (3-stage ring) and gathers g, beta (padding rows of a
+  ragged chunk get g[eos-1] and beta = 0); warp 1 stores o (TMA for full chunks, masked for ragged ones).
+
+Every shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
+CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
+that share a key head run together; the last sequence index (= N) zero-fills o on the padding tail.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from . import _tl
+
+BT_DEFAULT = 64
+NUM_STAGES = 3          # q/k/v/A/g/beta ring depth
+# (K, V) pairs this kernel supports, and the V slice widths one CTA can own.
+HEAD_DIMS = ((128, 128), (64, 64), (128, 256))
+BV_CHOICES = (64,)
+OVERLAP = True          # software-pipelined state warpgroup (False: the plain per-chunk order, kept for A/B tests)
+
+# Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
+# automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
+_PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl.disable_thread_storage_sync": True}
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
+def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
+                     h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
+                     store_final_state: bool, overlap: bool = True):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
+    # problem config
+    G = HV // H
+    NV = V // BV
+    acc = "float32"
+    # tiling config
+    NS = NUM_STAGES
+    THREADS = 384
+    assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
+
+    T_ = T.dynamic("T")
+    N_ = T.dynamic("N")
+    state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
+
+    @T.macro
+    def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
+        # on entry: Vd^T = V^T Ag^T + S0^T Xn^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
+        T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
+        for i, j in T.Parallel(BV, BT):
+            vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
+            vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
+        T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
+        T.wait_wgmma(1)
+        for i, j in T.Parallel(BV, BT):
+            o_f[i, j] = o_f[i, j] * dq_s[pb, j]
+        T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)            # O^T += Vd^T Pg^T
+
+    @T.macro
+    def scale_state(s_f, el_s, pb):
+        el = el_s[pb, 0]
+        for i, j in T.Parallel(BV, K):
+            s_f[i, j] = s_f[i, j] * el
+
+    @T.macro
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full):
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
+        T.barrier_arrive(empty[c % NS])
+        T.barrier_arrive(pout_empty[c % 2])
+        T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
+        for i, j in T.Parallel(BV, BT):
+            o_s[c % 2, j, i] = T.cast(o_f[i, j], dtype)
+        T.barrier_arrive(o_full[c % 2])
+
+    @T.prim_func
+    def chunk_fwd_kernel(
+        q: T.Tensor((1, T_, H, K), dtype),
+        k: T.Tensor((1, T_, H, K), dtype),
+        v: T.Tensor((1, T_, HV, V), dtype),
+        g: T.Tensor((1, T_, HV), acc),
+        beta: T.Tensor((1, T_, HV), beta_dtype),
+        A: T.Tensor((1, T_, HV, BT), dtype),
+        h0: T.Tensor(state_shape, h0_dtype),
+        cu_seqlens: T.Tensor((N_ + 1,), "int32"),
+        o: T.Tensor((1, T_, HV, V), dtype),
+        ht: T.Tensor(state_shape, acc),
+    ):
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS) as bx:
+            i_n = bx // (HV * NV)
+            i_hv = (bx // NV) % HV
+            i_v = bx % NV
+            i_h = i_hv // G
+            v0 = i_v * BV
+
+            # ---- shared memory: input ring, prep outputs, o staging ----
+            q_s = T.alloc_shared((NS, BT, K), dtype)
+            k_s = T.alloc_shared((NS, BT, K), dtype)
+            v_s = T.alloc_shared((NS, BT, BV), dtype)
+            a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
+            g_s = T.alloc_shared((NS, BT), acc)
+            b_s = T.alloc_shared((NS, BT), acc)
+            xn_s = T.alloc_shared((2, BT, K), dtype)
+            pg_s = T.alloc_shared((2, BT, BT), dtype)
+            r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
+            dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
+            el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
+            o_s = T.alloc_shared((2, BT, BV + 8), dtype)  # o staging, rows padded: conflict-free transposed writes
+
+            full = T.alloc_barrier([32] * NS)        # producer warp: 32 arrivals + TMA bytes
+            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot
+            prep_done = T.alloc_barrier([128] * 2)
+            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases xn/pg/r/dq
+            o_full = T.alloc_barrier([128] * 2)
+            o_empty = T.alloc_barrier([32] * 2)
+
+            tx = T.get_thread_binding()
+
+            if i_n == N_:
+                # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
+                tb = cu_seqlens[N_]
+                VEC = 8
+                per_row = BV // VEC
+                for it in T.serial(T.ceildiv((T_ - tb) * per_row, THREADS)):
+                    e = it * THREADS + tx
+                    row = tb + e // per_row
+                    if row < T_:
+                        for u in T.vectorized(VEC):
+                            o[0, T.cast(row, "int64"), i_hv, v0 + (e % per_row) * VEC + u] = T.cast(0, dtype)
+            else:
+                bos = cu_seqlens[i_n]
+                eos = cu_seqlens[i_n + 1]
+                NT = T.ceildiv(eos - bos, BT)
+                n64 = T.cast(i_n, "int64")
+
+                if tx < 128:
+                    # ================= state warpgroup =================
+                    T.set_max_nreg(240, 1)
+                    s_f = T.alloc_fragment((BV, K), acc)        # S^T
+                    sb_f = T.alloc_fragment((BV, K), dtype)
+                    vd_f = T.alloc_fragment((BV, BT), acc)      # Vd^T
+                    vdr_f = T.alloc_fragment((BV, BT), dtype)
+                    vdb_f = T.alloc_fragment((BV, BT), dtype)
+                    o_f = T.alloc_fragment((BV, BT), acc)       # O^T
+                    if has_initial_state:
+                        if state_v_first:
+                            for i, j in T.Parallel(BV, K):
+                                s_f[i, j] = T.cast(h0[n64, i_hv, v0 + i, j], acc)
+                        else:
+                            for i, j in T.Parallel(BV, K):
+                                s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
+                    else:
+                        T.clear(s_f)
+                    if overlap:
+                        # Software-pipelined: chunk c+1's Vd GEMMs and the S -> bf16 conversion run under chunk c's
+                        # tail, and chunk c's o staging under chunk c+1's Vd GEMMs. No wgmma is pending across the
+                        # loop back-edge and none is issued conditionally (ptxas would serialize every wgmma).
+                        if NT > 0:
+                            T.barrier_wait(full[0], 0)
+                            T.barrier_wait(prep_done[0], 0)
+                            T.copy(s_f, sb_f)
+                            scale_state(s_f, el_s, 0)
+                            T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
+                                         clear_accum=True)
+                            T.wgmma_gemm(sb_f, xn_s[0, :, :], vd_f, transpose_B=True)
+                            T.wait_wgmma(0)
+                            for c in T.serial(NT - 1):
+                                st1 = (c + 1) % NS
+                                pb1 = (c + 1) % 2
+                                finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
+                                             dq_s)
+                                T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
+                                T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
+                                T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
+                                             transpose_B=True, clear_accum=True)
+                                T.wait_wgmma(1)
+                                T.copy(s_f, sb_f)
+                                T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
+                                scale_state(s_f, el_s, pb1)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full)
+                                T.wait_wgmma(0)
+                            finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
+                                         pg_s, r_s, dq_s)
+                            T.wait_wgmma(0)
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full)
+                    else:
+                        for c in T.serial(NT):
+                            st = c % NS
+                            pb = c % 2
+                            T.barrier_wait(full[st], (c // NS) % 2)
+                            T.barrier_wait(prep_done[pb], (c // 2) % 2)
+                            T.copy(s_f, sb_f)
+                            # Vd^T = V^T Ag^T + S0^T Xn^T ; O^T = S0^T Q^T
+                            T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
+                                         clear_accum=True)
+                            T.wgmma_gemm(sb_f, xn_s[pb, :, :], vd_f, transpose_B=True)
+                            T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+                            el = el_s[pb, 0]
+                            for i, j in T.Parallel(BV, K):
+                                s_f[i, j] = s_f[i, j] * el
+                            T.wait_wgmma(1)
+                            for i, j in T.Parallel(BV, BT):
+                                vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
+                                vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
+                            # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
+                            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
+                            T.wait_wgmma(1)
+                            for i, j in T.Parallel(BV, BT):
+                                o_f[i, j] = o_f[i, j] * dq_s[pb, j]
+                            # O^T += Vd^T Pg^T   [BV, BT] @ [BT, BT]
+                            T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(empty[st])
+                            T.barrier_arrive(pout_empty[pb])
+                            T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
+                            for i, j in T.Parallel(BV, BT):
+                                o_s[pb, j, i] = T.cast(o_f[i, j], dtype)
+                            T.barrier_arrive(o_full[pb])
+                    if store_final_state:
+                        if state_v_first:
+                            for i, j in T.Parallel(BV, K):
+                                ht[n64, i_hv, v0 + i, j] = s_f[i, j]
+                        else:
+                            for i, j in T.Parallel(BV, K):
+                                ht[n64, i_hv, j, v0 + i] = s_f[i, j]
+                elif tx < 256:
+                    # ================= prep warpgroup (state-independent work) =================
+                    T.set_max_nreg(232, 1)
+                    p_f = T.alloc_fragment((BT, BT), acc)
+                    ab_f = T.alloc_fragment((BT, BT), dtype)
+                    xn_f = T.alloc_fragment((BT, K), acc)
+                    gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
+                    gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
+                    bj_f = T.alloc_fragment((BT,), acc)
+                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of xn_f
+                    for c in T.serial(NT):
+                        st = c % NS
+                        pb = c % 2
+                        t0 = bos + c * BT
+                        ln = T.min(eos - t0, BT)
+                        T.barrier_wait(full[st], (c // NS) % 2)
+                        if ln < BT:
+                            # rows past the sequence end hold another sequence's (or padding) data
+                            for i, j in T.Parallel(BT, K):
+                                if i >= ln:
+                                    q_s[st, i, j] = T.cast(0, dtype)
+                                    k_s[st, i, j] = T.cast(0, dtype)
+                            for i, j in T.Parallel(BT, BV):
+                                if i >= ln:
+                                    v_s[st, i, j] = T.cast(0, dtype)
+                            T.fence_proxy_async()
+                            T.sync_threads(1, 128)
+                        # P = Q K^T   [BT, K] @ [K, BT]
+                        T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                        for i in T.Parallel(BT):
+                            gi_f[i] = g_s[st, i]
+                        for j in T.Parallel(BT):
+                            gj_f[j] = g_s[st, j]
+                            bj_f[j] = b_s[st, j]
+                        T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, BT):
+                            gam = T.if_then_else(i >= j, T.exp(gi_f[i] - gj_f[j]), 0.0)
+                            ab = T.if_then_else((i >= j) & (i < ln), T.cast(a_s[st, i, j], acc) * bj_f[j], 0.0)
+                            a_s[st, i, j] = T.cast(ab * gam, dtype)
+                            ab_f[i, j] = T.cast(ab, dtype)
+                            pg_s[pb, i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                        # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]
+                        T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+                        for t in T.Parallel(BT):
+                            r_s[pb, t] = T.if_then_else(t < ln, T.exp(g_s[st, BT - 1] - g_s[st, t]), 0.0)
+                            dq_s[pb, t] = T.exp(g_s[st, t]) * scale
+                        el_s[pb, 0] = T.exp(g_s[st, BT - 1])
+                        for i in T.Parallel(BT):
+                            ei_f[i] = -T.exp(g_s[st, i])
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, K):
+                            xn_s[pb, i, j] = T.cast(ei_f[i] * xn_f[i, j], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(prep_done[pb])
+                else:
+                    # ================= producer warpgroup =================
+                    T.set_max_nreg(40, 0)
+                    if tx < 288:
+                        for c in T.serial(NT):
+                            st = c % NS
+                            t0 = bos + c * BT
+                            T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+                            T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
+                            for t in T.Parallel(BT):
+                                tt = T.cast(T.min(t0 + t, eos - 1), "int64")
+                                g_s[st, t] = g[0, tt, i_hv]
+                                b_s[st, t] = T.if_then_else(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
+                            T.barrier_arrive(full[st])
+                    elif tx < 320:
+                        for c in T.serial(NT):
+                            pb = c % 2
+                            t0 = bos + c * BT
+                            ln = T.min(eos - t0, BT)
+                            T.barrier_wait(o_full[pb], (c // 2) % 2)
+                            for i, j in T.Parallel(BT, BV):
+                                if i < ln:
+                                    o[0, T.cast(t0 + i, "int64"), i_hv, v0 + j] = o_s[pb, i, j]
+                            T.barrier_arrive(o_empty[pb])
+
+    return chunk_fwd_kernel
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
+              chunk_size=64, num_sms=None):
+    """Fused forward. q, k ``[1, T, H, K]``; v ``[1, T, HV, V]`` (bf16/fp16, one dtype); g_cumsum ``[1, T, HV]``
+    fp32; beta ``[1, T, HV]``; A ``[1, T, HV, BT]`` (q's dtype); initial_state ``[N, HV, K, V]`` (or
+    ``[N, HV, V, K]`` with state_v_first) or None; cu_seqlens ``[N + 1]`` int32. Returns
+    ``(o [1, T, HV, V] in v.dtype, final_state fp32)``. No host synchronisation."""
+    B, T_, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    assert B == 1 and chunk_size == BT_DEFAULT, "flat varlen input with 64-token chunks"
+    assert (K, V) in HEAD_DIMS, f"head dims (K={K}, V={V}) unsupported; supported {HEAD_DIMS}"
+    assert q.dtype == k.dtype == v.dtype == A.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    assert HV % H == 0 and g_cumsum.dtype == torch.float32
+    BV = 64
+    dev = q.device
+    o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = _tl.alloc(state_shape, torch.float32, dev)
+    if cu_seqlens.dtype != torch.int32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    h0 = initial_state if initial_state is not None else ht
+    beta = beta.contiguous()
+    kernel = _build_chunk_fwd(H, HV, K, V, BV, chunk_size, _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[beta.dtype],
+                              _TORCH_TO_TL[h0.dtype], float(scale), initial_state is not None, bool(state_v_first),
+                              True, OVERLAP)
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta, A.contiguous(),
+           h0.contiguous(), cu_seqlens, o, ht)
+    return o, ht

@@ -1,0 +1,123 @@
+"""Stage `chunk_fwd` on a Hopper GPU: `kernels.fused_fwd.chunk_fwd` against its float64 twin.
+
+The kernel is tested on its own: g_cumsum and A come from the float64 `reference.chunked.prepare_fwd` (A rounded
+to the input dtype, as the prepare kernel stores it), and the reference and the baseline (the portable path with
+GEMM operands rounded to the input dtype) consume exactly the inputs the kernel gets. Outputs are NaN-poisoned
+(conftest): o on the padding tail must be exactly 0, and an empty sequence's final state is its initial state.
+"""
+import dataclasses
+import random
+
+import pytest
+import torch
+from _helpers import Case, assert_close, make_inputs
+
+from flashdelta import portable
+from flashdelta.kernels import fused_fwd
+from flashdelta.reference import chunked as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdCase:
+    name: str
+    seqlens: tuple
+    H: int
+    HV: int
+    K: int = 128
+    V: int = 128
+    pad: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    beta_dtype: torch.dtype = torch.bfloat16
+    h0: bool = True
+    h0_dtype: torch.dtype = torch.float32
+    state_v_first: bool = False
+    gate: str = "model"
+
+    def __str__(self):
+        return self.name
+
+
+def _lens(n, choices, seed):
+    rng = random.Random(seed)
+    return tuple(rng.choice(choices) for _ in range(n))
+
+
+EDGES = (1, 0, 63, 64, 65, 200, 130, 0, 127, 129)
+CASES = [
+    FwdCase("edges-gva2-h0-pad37", EDGES, H=2, HV=4, pad=37),
+    FwdCase("edges-gva1-fp16-noh0-vfirst", EDGES, H=4, HV=4, pad=5, dtype=torch.float16,
+            beta_dtype=torch.float32, h0=False, state_v_first=True),
+    FwdCase("gva4-h0bf16-vfirst", (300, 1, 129), H=1, HV=4, h0_dtype=torch.bfloat16, beta_dtype=torch.float32,
+            state_v_first=True),
+    FwdCase("empty-only-pad10", (0,), H=2, HV=2, pad=10),
+    FwdCase("bench-gate-gva4", (4096, 1000), H=2, HV=8, gate="bench", beta_dtype=torch.float32),
+    FwdCase("zero-gate", (129, 64), H=2, HV=2, gate="zero"),
+    FwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9),
+    FwdCase("v256", (100, 64, 3), H=2, HV=4, V=256, pad=9, dtype=torch.float16, beta_dtype=torch.float16),
+    FwdCase("long-32k", (32768,), H=2, HV=4),
+    # more sequences than a grid y/z dimension holds: the sequence index lives in grid x
+    FwdCase("70k-seqs", _lens(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False),
+]
+
+
+def _inputs(case):
+    c = Case(case.name, case.seqlens, H=case.H, HV=case.HV, K=case.K, V=case.V, pad=case.pad, h0=case.h0,
+             state_v_first=case.state_v_first, gate=case.gate)
+    x = make_inputs(c, dtype=case.dtype, device="cuda")
+    beta = x["beta"].to(case.beta_dtype)
+    h0 = x["initial_state"].to(case.h0_dtype) if case.h0 else None
+    g_cumsum, A = ref.prepare_fwd(x["k"], x["g"], beta, x["cu_seqlens"])
+    return dict(q=x["q"], k=x["k"], v=x["v"], g_cumsum=g_cumsum.float(), beta=beta, A=A.to(case.dtype),
+                initial_state=h0, cu_seqlens=x["cu_seqlens"], scale=case.K ** -0.5,
+                state_v_first=case.state_v_first)
+
+
+def _run(x):
+    return fused_fwd.chunk_fwd(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
+                               x["cu_seqlens"], scale=x["scale"], state_v_first=x["state_v_first"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_chunk_fwd(case):
+    x = _inputs(case)
+    o, ht = _run(x)
+    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"], x["cu_seqlens"])
+    kw = dict(scale=x["scale"], state_v_first=case.state_v_first)
+    ro, rh = ref.chunk_fwd(*args, **kw)
+    bo, bh = portable.chunk_fwd(*args, **kw, compute_dtype=torch.float32, operand_dtype=case.dtype)
+    end = int(x["cu_seqlens"][-1])
+    assert o.dtype == case.dtype and ht.dtype == torch.float32
+    if end:
+        assert_close("o", o[:, :end], ro[:, :end], baseline=bo[:, :end])
+    assert torch.equal(o[:, end:], torch.zeros_like(o[:, end:])), "o on the padding tail must be 0"
+    assert_close("ht", ht, rh, baseline=bh)
+    lens = torch.diff(x["cu_seqlens"])
+    empty = lens == 0
+    if empty.any():
+        want = x["initial_state"][empty].float() if case.h0 else torch.zeros_like(ht[empty])
+        assert torch.equal(ht[empty], want), "an empty sequence's final state is its initial state"
+
+
+def test_chunk_fwd_deterministic():
+    x = _inputs(FwdCase("det", (5000, 77, 1), H=2, HV=8, pad=3))
+    o1, h1 = _run(x)
+    o2, h2 = _run(x)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def test_chunk_fwd_graph_capturable():
+    """No host synchronisation: the launch records into a CUDA graph and replays to the same result."""
+    x = _inputs(FwdCase("graph", (300, 64), H=2, HV=4))
+    o_ref, h_ref = _run(x)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = _run(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)

@@ -15,7 +15,7 @@ The serial chain S0 -> Vd -> S1 is two register-A wgmma groups and one fp32->bf1
 round trip. Warp roles (384 threads):
 
 - WG0 "state"   (240 regs): the chain above, then O^T -> o_shared (transposed) for the store warp.
-- WG1 "prep"    (232 regs): zeroes rows past a ragged chunk's end, Q K^T, Gamma, Pg, Ag (in place over the A
+- WG1 "prep"    (224 regs): zeroes rows past a ragged chunk's end, Q K^T, Gamma, Pg, Ag (in place over the A
   tile), Xn, and the per-row scalars R, scale*exp(G), exp(G_last); runs one chunk ahead of WG0.
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A (3-stage ring) and gathers g, beta (padding rows of a
   ragged chunk get g[eos-1] and beta = 0); warp 1 stores o (TMA for full chunks, masked for ragged ones).
@@ -244,7 +244,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 ht[n64, i_hv, j, v0 + i] = s_f[i, j]
                 elif tx < 256:
                     # ================= prep warpgroup (state-independent work) =================
-                    T.set_max_nreg(232, 1)
+                    T.set_max_nreg(224, 1)
                     p_f = T.alloc_fragment((BT, BT), acc)
                     ab_f = T.alloc_fragment((BT, BT), dtype)
                     xn_f = T.alloc_fragment((BT, K), acc)

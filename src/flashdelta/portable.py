@@ -16,7 +16,9 @@ Implementation notes
   (docs/algorithm.md §2.4), so no padding garbage can leak.
 * The serial walk loops over the chunk index ``c`` in Python; each step is batched over every
   (sequence that has a chunk ``c``) x (value head), so many short sequences cost as little as one long one.
-* ``compute_dtype`` (float32 or float64) is the accumulation and element-wise dtype. With ``operand_dtype``
+* ``compute_dtype`` (float32 or float64) is the accumulation and element-wise dtype; None (the default)
+  means float32, or float64 when the stage's main operands (q/k/v, dx, dG) are float64, so float64 inputs
+  through the public API stay exact. With ``operand_dtype``
   (e.g. torch.bfloat16) every GEMM operand is rounded to it just before the product, as a tensor-core
   kernel does, and A is rounded when stored. The gate (cumsum, exp) always stays in float32 or better.
 """
@@ -122,6 +124,14 @@ def _gather_gate(g_cumsum: Tensor, lay: ChunkLayout, dtype) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ dtypes
+
+def _resolve(compute_dtype, operand_dtype, *tensors):
+    """The compute dtype: as given, or (None) float64 when the main operands are float64, else float32."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    _check_dtypes(compute_dtype, operand_dtype)
+    return compute_dtype
+
 
 def _check_dtypes(compute_dtype, operand_dtype):
     if compute_dtype not in (torch.float32, torch.float64):
@@ -257,15 +267,15 @@ def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
 
 # ------------------------------------------------------------------------------------------------ stages
 
-def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):
     """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1).
 
     Returns ``g_cumsum [1,T,HV]`` (float32; float64 when compute_dtype is float64; 0 on padding) and
     ``A [1,T,HV,BT]`` (row i of each chunk's ``(I + strictly_lower(diag(b) K K^T))^{-1}`` at token
     ``chunk_start + i``; columns past the chunk's length are 0), in `operand_dtype` if set else compute_dtype.
     """
-    _check_dtypes(compute_dtype, operand_dtype)
-    cd, gd = compute_dtype, _state_dtype(compute_dtype)
+    cd = _resolve(compute_dtype, operand_dtype, k)
+    gd = _state_dtype(cd)
     rnd = _rounder(cd, operand_dtype)
     T, H = k.shape[1], k.shape[2]
     HV = g.shape[-1]
@@ -298,11 +308,10 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+              chunk_size=64, compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64)."""
-    _check_dtypes(compute_dtype, operand_dtype)
-    cd = compute_dtype
+    cd = _resolve(compute_dtype, operand_dtype, q, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -323,10 +332,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64,
-                    compute_dtype=torch.float32, operand_dtype=None):
+                    compute_dtype=None, operand_dtype=None):
     """The state entering every chunk: ``h [NT,HV,K,V]`` (or ``[NT,HV,V,K]``), float32 (float64 at float64)."""
-    _check_dtypes(compute_dtype, operand_dtype)
-    cd = compute_dtype
+    cd = _resolve(compute_dtype, operand_dtype, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = k.shape[1], k.shape[2], k.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -346,14 +354,13 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+              chunk_size=64, compute_dtype=None, operand_dtype=None):
     """Explicit chunked backward (docs/algorithm.md §3), chunks walked in reverse with dS carried.
 
     Returns ``dq [1,T,HV,K]``, ``dk [1,T,HV,K]`` (per value head), ``dv [1,T,HV,V]``, ``dbeta [1,T,HV]``,
     ``dG [1,T,HV]`` (w.r.t. g_cumsum), all in compute_dtype, and ``dh0`` (state layout, float32/float64).
     """
-    _check_dtypes(compute_dtype, operand_dtype)
-    cd = compute_dtype
+    cd = _resolve(compute_dtype, operand_dtype, q, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -390,20 +397,20 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
             _scatter(dGc, lay, cd), _state_out(dS, state_v_first, _state_dtype(cd)))
 
 
-def group_sum(dx, H, *, compute_dtype=torch.float32, operand_dtype=None):
+def group_sum(dx, H, *, compute_dtype=None, operand_dtype=None):
     """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head (accumulated in at
     least compute_dtype, returned in dx.dtype)."""
     B, T, HV, D = dx.shape
     if HV % H != 0:
         raise ValueError(f"H={H} must divide HV={HV}")
-    acc = torch.promote_types(dx.dtype, compute_dtype)
+    acc = torch.promote_types(dx.dtype, _resolve(compute_dtype, None, dx))
     return dx.to(acc).reshape(B, T, H, HV // H, D).sum(3).to(dx.dtype)
 
 
-def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):
     """Chunk-local reverse cumsum of dG: the gradient w.r.t. the raw g ([1,T,HV], 0 on padding)."""
     T = dG.shape[1]
-    acc = torch.promote_types(dG.dtype, _state_dtype(compute_dtype))
+    acc = torch.promote_types(dG.dtype, _state_dtype(_resolve(compute_dtype, None, dG)))
     lay = chunk_layout(cu_seqlens, T, chunk_size, dG.device)
     x = _gather(dG, lay, acc)
     x = x.flip(-1).cumsum(-1).flip(-1)
@@ -428,7 +435,7 @@ def l2norm_bwd(y, rstd, dy):
 
 
 def chunked_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None, state_v_first=False, chunk_size=64,
-                compute_dtype=torch.float32, operand_dtype=None):
+                compute_dtype=None, operand_dtype=None):
     """prepare_fwd + chunk_fwd from the raw gate. Returns ``(o, final_state, g_cumsum, A)``."""
     g_cumsum, A = prepare_fwd(k, g, beta, cu_seqlens, chunk_size=chunk_size, compute_dtype=compute_dtype,
                               operand_dtype=operand_dtype)
@@ -439,7 +446,7 @@ def chunked_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None, stat
 
 
 def chunked_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale=None,
-                state_v_first=False, H=None, chunk_size=64, compute_dtype=torch.float32, operand_dtype=None):
+                state_v_first=False, H=None, chunk_size=64, compute_dtype=None, operand_dtype=None):
     """state_recompute + chunk_bwd + group_sum + prepare_bwd.
 
     Returns ``(dq [1,T,H,K], dk [1,T,H,K], dv, dbeta, dg, dh0)`` with dg w.r.t. the raw g."""

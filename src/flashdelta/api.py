@@ -107,7 +107,8 @@ def chunk_gated_delta_rule(
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) float; N = B, or the number
             of sequences with ``cu_seqlens``. None means zeros.
-        output_final_state: return the final state ``[N, HV, K, V]`` fp32 (same layout as initial_state).
+        output_final_state: return the final state ``[N, HV, K, V]`` fp32 (float64 for float64 inputs),
+            in the layout of initial_state.
         use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries for varlen input (B must be 1), FlashAttention
             convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient.

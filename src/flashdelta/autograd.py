@@ -42,6 +42,19 @@ def _cu(q: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     return cu_seqlens.to(torch.int32)
 
 
+def _gate_dtype(q: Tensor) -> torch.dtype:
+    """The gate is fp32 end to end; float64 inputs (gradcheck, references) keep float64."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _l2norm(x: Tensor, kset: dispatch.KernelSet):
+    """Normalised x (and rstd). Kernels take it in x's dtype (their GEMM operand precision); the portable
+    path keeps it in its float32/float64 compute precision."""
+    if kset.name == "torch":
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return l2norm_fwd(x)
+
+
 _warned: set = set()
 
 
@@ -69,19 +82,19 @@ def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     N = _num_seqs(q, cu_seqlens)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
-        ht = (initial_state.float().clone() if initial_state is not None
-              else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=torch.float32))
+        ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
+              else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
         return o, ht
     fwd, _ = _backends(q, v, need_bwd)
     kset = dispatch.load(fwd)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
-        qf, kf = l2norm_fwd(qf)[0], l2norm_fwd(kf)[0]
-    gf, bf, cu = _flat(g).float(), _flat(beta), _cu(q, cu_seqlens)
+        qf, kf = _l2norm(qf, kset)[0], _l2norm(kf, kset)[0]
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
     h0 = initial_state.contiguous() if initial_state is not None else None
     g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
     o, ht = kset.chunk_fwd(qf, kf, vf, g_cumsum, bf, A, h0, cu, scale=scale, state_v_first=state_v_first)
-    return o.reshape(B, T, HV, V).to(q.dtype), ht.float()
+    return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
 
 
 @chunk_gdn_fwd.register_fake
@@ -89,7 +102,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
-    return q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=torch.float32)
+    return q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q))
 
 
 @torch.library.custom_op("flashdelta::chunk_gdn_bwd", mutates_args=())
@@ -108,10 +121,10 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     kset = dispatch.load(bwd)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
-        (qf, rq), (kf, rk) = l2norm_fwd(qf), l2norm_fwd(kf)
-    gf, bf, cu = _flat(g).float(), _flat(beta), _cu(q, cu_seqlens)
+        (qf, rq), (kf, rk) = _l2norm(qf, kset), _l2norm(kf, kset)
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    dht = dht.float().contiguous() if dht is not None else None
+    dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
     g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
     h = kset.state_recompute(kf, vf, g_cumsum, bf, A, h0, cu, state_v_first=state_v_first)
     dq, dk, dv, dbeta, dG, dh0 = kset.chunk_bwd(qf, kf, vf, g_cumsum, bf, A, h, _flat(do), dht, cu,

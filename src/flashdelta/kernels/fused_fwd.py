@@ -37,6 +37,9 @@ NUM_STAGES = 3          # q/k/v/A/g/beta ring depth
 HEAD_DIMS = ((128, 128), (64, 64), (128, 256))
 BV_CHOICES = (64,)
 OVERLAP = True          # software-pipelined state warpgroup (False: the plain per-chunk order, kept for A/B tests)
+# Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
+# so the producer starts the DRAM-bound loads one chunk earlier.
+EARLY_RELEASE = False
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -48,7 +51,7 @@ _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
-                     store_final_state: bool, overlap: bool = True):
+                     store_final_state: bool, overlap: bool = True, early_release: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
     # problem config
     G = HV // H
@@ -127,7 +130,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_s = T.alloc_shared((2, BT, BV + 8), dtype)  # o staging, rows padded: conflict-free transposed writes
 
             full = T.alloc_barrier([32] * NS)        # producer warp: 32 arrivals + TMA bytes
-            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot
+            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
+            empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases xn/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
@@ -183,6 +187,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                          clear_accum=True)
                             T.wgmma_gemm(sb_f, xn_s[0, :, :], vd_f, transpose_B=True)
                             T.wait_wgmma(0)
+                            if early_release:
+                                T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
                                 pb1 = (c + 1) % 2
@@ -198,6 +204,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 scale_state(s_f, el_s, pb1)
                                 release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full)
                                 T.wait_wgmma(0)
+                                if early_release:
+                                    T.barrier_arrive(empty_va[st1])
                             finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
                                          pg_s, r_s, dq_s)
                             T.wait_wgmma(0)
@@ -218,6 +226,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             for i, j in T.Parallel(BV, K):
                                 s_f[i, j] = s_f[i, j] * el
                             T.wait_wgmma(1)
+                            if early_release:
+                                T.barrier_arrive(empty_va[st])
                             for i, j in T.Parallel(BV, BT):
                                 vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
                                 vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
@@ -247,6 +257,10 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     T.set_max_nreg(224, 1)
                     p_f = T.alloc_fragment((BT, BT), acc)
                     ab_f = T.alloc_fragment((BT, BT), dtype)
+                    a_f = T.alloc_fragment((BT, BT), dtype)
+                    ag_f = T.alloc_fragment((BT, BT), dtype)
+                    pgb_f = T.alloc_fragment((BT, BT), dtype)
+                    xnb_f = T.alloc_fragment((BT, K), dtype)
                     xn_f = T.alloc_fragment((BT, K), acc)
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
@@ -269,8 +283,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                     v_s[st, i, j] = T.cast(0, dtype)
                             T.fence_proxy_async()
                             T.sync_threads(1, 128)
-                        # P = Q K^T   [BT, K] @ [K, BT]
+                        # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                        T.copy(a_s[st, :, :], a_f)
                         for i in T.Parallel(BT):
                             gi_f[i] = g_s[st, i]
                         for j in T.Parallel(BT):
@@ -278,23 +293,27 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             bj_f[j] = b_s[st, j]
                         T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
                         T.wait_wgmma(0)
+                        # branch-free element-wise part (Select evaluates both sides; exp(-inf) = 0 above the diagonal)
                         for i, j in T.Parallel(BT, BT):
-                            gam = T.if_then_else(i >= j, T.exp(gi_f[i] - gj_f[j]), 0.0)
-                            ab = T.if_then_else((i >= j) & (i < ln), T.cast(a_s[st, i, j], acc) * bj_f[j], 0.0)
-                            a_s[st, i, j] = T.cast(ab * gam, dtype)
+                            gam = T.exp(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                            ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
+                            ag_f[i, j] = T.cast(ab * gam, dtype)
                             ab_f[i, j] = T.cast(ab, dtype)
-                            pg_s[pb, i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
-                        # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]
+                            pgb_f[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                        # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
                         T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+                        T.copy(ag_f, a_s[st, :, :])
+                        T.copy(pgb_f, pg_s[pb, :, :])
                         for t in T.Parallel(BT):
-                            r_s[pb, t] = T.if_then_else(t < ln, T.exp(g_s[st, BT - 1] - g_s[st, t]), 0.0)
+                            r_s[pb, t] = T.Select(t < ln, T.exp(g_s[st, BT - 1] - g_s[st, t]), 0.0)
                             dq_s[pb, t] = T.exp(g_s[st, t]) * scale
                         el_s[pb, 0] = T.exp(g_s[st, BT - 1])
                         for i in T.Parallel(BT):
                             ei_f[i] = -T.exp(g_s[st, i])
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(BT, K):
-                            xn_s[pb, i, j] = T.cast(ei_f[i] * xn_f[i, j], dtype)
+                            xnb_f[i, j] = T.cast(ei_f[i] * xn_f[i, j], dtype)
+                        T.copy(xnb_f, xn_s[pb, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(prep_done[pb])
                 else:
@@ -304,15 +323,20 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
-                            T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
-                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
-                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+                            if early_release:
+                                T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
+                            else:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             for t in T.Parallel(BT):
                                 tt = T.cast(T.min(t0 + t, eos - 1), "int64")
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.if_then_else(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
+                            if early_release:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
                             T.barrier_arrive(full[st])
                     elif tx < 320:
                         for c in T.serial(NT):
@@ -356,7 +380,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     beta = beta.contiguous()
     kernel = _build_chunk_fwd(H, HV, K, V, BV, chunk_size, _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[beta.dtype],
                               _TORCH_TO_TL[h0.dtype], float(scale), initial_state is not None, bool(state_v_first),
-                              True, OVERLAP)
+                              True, OVERLAP, EARLY_RELEASE)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta, A.contiguous(),
            h0.contiguous(), cu_seqlens, o, ht)
     return o, ht

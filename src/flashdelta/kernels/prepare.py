@@ -1,0 +1,332 @@
+"""Stage `prepare`: chunk-local gate cumsum and the ungated WY inverse (forward), reverse gate cumsum (backward).
+
+Forward, one launch: a CTA per (chunk slot, key head) loads the chunk's keys once, computes `K K^T` with
+wgmma (fp32 accumulate) and, for each of the `HV / H` value heads of the group,
+
+    A = (I + strictly_lower(diag(beta) K K^T))^{-1}                    # [BT, BT], BT = 64
+
+by blocks. K K^T is kept in shared memory unscaled, once per CTA; beta scales rows on the fly.
+  - level 0: the four 16x16 diagonal blocks `D_b` by forward substitution (fp32, one column per thread);
+  - level 1: the lower-left 16x16 block of each 32x32 half, `-D_2p+1 diag(beta) K21_p D_2p`, both halves in
+    one stacked [32, 16] @ [16, 32] product pair on mma;
+  - level 2: the lower-left 32x32 block, `-D2^{-1} diag(beta) C D1^{-1}`, two [32, 32] products on mma.
+The tensor-core products run on bf16 hi/lo splits of the fp32 operands (hi*hi + hi*lo + lo*hi, ~1e-6
+relative), far below the rounding of the stored A: measured A error equals the bf16 (fp16) rounding of the
+float64 inverse. The same CTA writes the chunk-local inclusive cumsum of g for those value heads.
+
+Chunks are aligned to sequence starts. Chunk slots map to (sequence, chunk) on the device, without host
+synchronisation: chunk `c` of sequence `n` (tokens `[bos, eos)`) owns slot `bos // BT + n + c`. These slot
+numbers increase strictly along the token axis and stay below `T // BT + N + 1`, so a CTA finds its sequence
+by searching `cu_seqlens` for the last `n` with `cu_seqlens[n] // BT + n <= slot` (128-way per step, one
+step for up to 127 sequences); slots that fall past a sequence's last chunk exit. The padding tail
+`[cu_seqlens[-1], T)` is treated as sequence `N`, whose chunks write zeros to `g_cumsum` and `A`.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import tilelang
+import tilelang.language as T
+import torch
+
+from . import _tl
+
+F32 = "float32"
+BF16 = "bfloat16"
+THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
+SUPPORTED_K = (64, 128, 256)
+
+
+def _hi(x):
+    """bf16 part of an fp32 value (round to nearest)."""
+    return T.cast(x, BF16)
+
+
+def _lo(x):
+    """bf16 rounding of what `_hi` leaves: hi + lo carries ~16 significant bits."""
+    return T.cast(x - T.cast(T.cast(x, BF16), F32), BF16)
+
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float64: "float64"}
+
+
+@T.macro
+def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
+    """Fills `chunk` (a local int32[3]) for chunk slot `i_s` with the sequence (0..N; N = padding tail), the
+    chunk's first token and its sequence's end; the slot is idle when `chunk[1] >= chunk[2]`."""
+    width = T.alloc_var("int32", init=n_seqs + 1)
+    chunk[0] = 0
+    while width > 1:
+        stride = T.ceildiv(width, THREADS)
+        idx = chunk[0] + tid * stride
+        # slots of sequence n start at cu_seqlens[n] // BT + n, strictly increasing in n
+        cnt = T.syncthreads_count(idx < chunk[0] + width and cu_seqlens[idx] // BT + idx <= i_s)
+        chunk[0] = chunk[0] + (cnt - 1) * stride
+        width = T.min(stride, width - (cnt - 1) * stride)
+    bos = cu_seqlens[chunk[0]]
+    chunk[1] = bos + (i_s - bos // BT - chunk[0]) * BT
+    chunk[2] = T.if_then_else(chunk[0] < n_seqs, cu_seqlens[chunk[0] + 1], n_tok)
+
+
+@tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
+def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
+                       min_blocks: int = 4):
+    # problem config
+    assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
+    G = HV // H                     # value heads per key head
+    n_tok = T.dynamic("T")
+    n_seqs = T.dynamic("N")
+    # tiling config: 16-row diagonal blocks, 32-row halves; min_blocks CTAs per SM bounds the registers
+    B16, B32 = 16, 32
+
+    @T.prim_func
+    def prepare_fwd_kernel(
+        k: T.Tensor((1, n_tok, H, K), k_dtype),
+        g: T.Tensor((1, n_tok, HV), F32),
+        beta: T.Tensor((1, n_tok, HV), beta_dtype),
+        cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
+        g_cumsum: T.Tensor((1, n_tok, HV), F32),
+        A: T.Tensor((1, n_tok, HV, BT), k_dtype),
+    ):
+        with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS) as (i_s, i_h):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            tid = T.get_thread_binding()
+            chunk = T.alloc_local((3,), "int32")
+            _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT, chunk)
+            seq, t0, eos = chunk[0], chunk[1], chunk[2]
+
+            k_shared = T.alloc_shared((BT, K), k_dtype)
+            kk_frag = T.alloc_fragment((BT, BT), F32)
+            g_shared = T.alloc_shared((BT, G + 1), F32)    # +1: the column scan's strided reads
+            beta_shared = T.alloc_shared((BT, G), F32)
+            # K K^T pieces, unscaled (beta scales rows per value head), written once per CTA:
+            # the four 16x16 diagonal blocks (fp32; a pad column keeps 16-row column reads off one bank),
+            # the two level-1 blocks stacked, rows 16:32 x cols 0:16 over rows 48:64 x cols 32:48, and the
+            # level-2 block rows 32:64 x cols 0:32, both as bf16 hi/lo
+            kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
+            k1_hi = T.alloc_shared((B32, B16), BF16)
+            k1_lo = T.alloc_shared((B32, B16), BF16)
+            c_hi = T.alloc_shared((B32, B32), BF16)
+            c_lo = T.alloc_shared((B32, B32), BF16)
+            # per value head, bf16 hi/lo: the 16x16 diagonal inverses D_0|D_2 side by side and D_1 over D_3,
+            # the two 32x32 diagonal inverses, and the scaled products feeding the next level
+            de_hi = T.alloc_shared((B16, B32), BF16)
+            de_lo = T.alloc_shared((B16, B32), BF16)
+            do_hi = T.alloc_shared((B32, B16), BF16)
+            do_lo = T.alloc_shared((B32, B16), BF16)
+            d1_hi = T.alloc_shared((B32, B32), BF16)
+            d1_lo = T.alloc_shared((B32, B32), BF16)
+            d2_hi = T.alloc_shared((B32, B32), BF16)
+            d2_lo = T.alloc_shared((B32, B32), BF16)
+            y1_frag = T.alloc_fragment((B32, B32), F32)
+            x1_frag = T.alloc_fragment((B32, B32), F32)
+            y_frag = T.alloc_fragment((B32, B32), F32)
+            z_frag = T.alloc_fragment((B32, B32), F32)
+            a_shared = T.alloc_shared((BT, BT + 8), k_dtype)  # +8: fragment-order row writes off one bank
+            x_local = T.alloc_local((B16,), F32)
+
+            if t0 < eos:
+                if seq < n_seqs:
+                    for i, d in T.Parallel(BT, K):
+                        k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
+                    for i, j in T.Parallel(BT, G):
+                        g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, i_h * G + j], 0)
+                        beta_shared[i, j] = T.if_then_else(
+                            t0 + i < eos, T.cast(beta[0, t0 + i, i_h * G + j], F32), 0)
+                    for i, c in T.Parallel(B32, B32):
+                        # the upper-right 16x16 block of D2 stays zero for every value head
+                        d2_hi[i, c] = 0
+                        d2_lo[i, c] = 0
+                    # [BT, K] @ [K, BT] -> [BT, BT]
+                    T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
+                    for i, c in T.Parallel(BT, BT):
+                        if i // B16 == c // B16:
+                            kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
+                        if i // B16 == c // B16 + 1 and (i // B16) % 2 == 1:
+                            k1_hi[(i // B32) * B16 + i % B16, c % B16] = _hi(kk_frag[i, c])
+                            k1_lo[(i // B32) * B16 + i % B16, c % B16] = _lo(kk_frag[i, c])
+                        if i >= B32 and c < B32:
+                            c_hi[i - B32, c] = _hi(kk_frag[i, c])
+                            c_lo[i - B32, c] = _lo(kk_frag[i, c])
+                    T.cumsum(g_shared[:, 0:G], dim=0)
+                    for i, j in T.Parallel(BT, G):
+                        if t0 + i < eos:
+                            g_cumsum[0, t0 + i, i_h * G + j] = g_shared[i, j]
+
+                    for j in T.serial(G):
+                        # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
+                        if tid < 4 * B16:
+                            blk = tid // B16
+                            col = tid % B16
+                            for r in T.unroll(B16):
+                                x_local[r] = 0
+                                for m in T.unroll(r):
+                                    x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
+                                x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
+                                    beta_shared[blk * B16 + r, j] * x_local[r]
+                            off = (blk % 2) * B16
+                            if blk < 2:
+                                for r in T.unroll(B16):
+                                    d1_hi[off + r, off + col] = _hi(x_local[r])
+                                    d1_lo[off + r, off + col] = _lo(x_local[r])
+                                if blk == 1:
+                                    # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                    for r in T.unroll(B16):
+                                        d1_hi[r, B16 + col] = 0
+                                        d1_lo[r, B16 + col] = 0
+                            else:
+                                for r in T.unroll(B16):
+                                    d2_hi[off + r, off + col] = _hi(x_local[r])
+                                    d2_lo[off + r, off + col] = _lo(x_local[r])
+                            if blk % 2 == 0:
+                                for r in T.unroll(B16):
+                                    de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
+                                    de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
+                            else:
+                                for r in T.unroll(B16):
+                                    do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
+                                    do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
+
+                        # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
+                        # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
+                        # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
+                        T.gemm(k1_hi, de_hi, y1_frag, clear_accum=True)
+                        T.gemm(k1_hi, de_lo, y1_frag)
+                        T.gemm(k1_lo, de_hi, y1_frag)
+                        for i, c in T.Parallel(B32, B32):
+                            if i // B16 == c // B16:
+                                # Y_0 | Y_1 side by side, in place of D_0 | D_2
+                                y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
+                                de_hi[i % B16, c] = _hi(y_val)
+                                de_lo[i % B16, c] = _lo(y_val)
+                        T.gemm(do_hi, de_hi, x1_frag, clear_accum=True)
+                        T.gemm(do_hi, de_lo, x1_frag)
+                        T.gemm(do_lo, de_hi, x1_frag)
+                        for i, c in T.Parallel(B32, B32):
+                            if i // B16 == c // B16:
+                                if i < B16:
+                                    d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
+                                    d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
+                                else:
+                                    d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
+                                    d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
+
+                        # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
+                        # [32, 32] @ [32, 32] -> [32, 32], three times each
+                        T.gemm(c_hi, d1_hi, y_frag, clear_accum=True)
+                        T.gemm(c_hi, d1_lo, y_frag)
+                        T.gemm(c_lo, d1_hi, y_frag)
+                        for i, c in T.Parallel(B32, B32):
+                            a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
+                            a_shared[i, B32 + c] = 0
+                            a_shared[B32 + i, B32 + c] = T.cast(
+                                T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
+                        for i, c in T.Parallel(B32, B32):
+                            # diag(beta) C D1^{-1}, in place of D1^{-1}
+                            y_val = y_frag[i, c] * beta_shared[B32 + i, j]
+                            d1_hi[i, c] = _hi(y_val)
+                            d1_lo[i, c] = _lo(y_val)
+                        T.gemm(d2_hi, d1_hi, z_frag, clear_accum=True)
+                        T.gemm(d2_hi, d1_lo, z_frag)
+                        T.gemm(d2_lo, d1_hi, z_frag)
+                        for i, c in T.Parallel(B32, B32):
+                            a_shared[B32 + i, c] = -z_frag[i, c]
+                        for i, c in T.Parallel(BT, BT):
+                            if t0 + i < eos:
+                                A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]
+                else:
+                    # padding tail: zeros
+                    for i, j in T.Parallel(BT, G):
+                        if t0 + i < eos:
+                            g_cumsum[0, t0 + i, i_h * G + j] = 0
+                    for i, j, c in T.Parallel(BT, G, BT):
+                        if t0 + i < eos:
+                            A[0, t0 + i, i_h * G + j, c] = 0
+
+    return prepare_fwd_kernel
+
+
+@tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
+def _build_prepare_bwd(HV: int, BT: int = 64):
+    # problem config
+    assert BT == 64
+    n_tok = T.dynamic("T")
+    n_seqs = T.dynamic("N")
+
+    @T.prim_func
+    def prepare_bwd_kernel(
+        dG: T.Tensor((1, n_tok, HV), F32),
+        cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
+        dg: T.Tensor((1, n_tok, HV), F32),
+    ):
+        with T.Kernel(n_tok // BT + n_seqs + 1, threads=THREADS) as i_s:
+            tid = T.get_thread_binding()
+            chunk = T.alloc_local((3,), "int32")
+            _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT, chunk)
+            seq, t0, eos = chunk[0], chunk[1], chunk[2]
+            dg_shared = T.alloc_shared((BT, HV + 1), F32)  # +1: the column scan's strided reads
+            if t0 < eos:
+                if seq < n_seqs:
+                    for i, h in T.Parallel(BT, HV):
+                        dg_shared[i, h] = T.if_then_else(t0 + i < eos, dG[0, t0 + i, h], 0)
+                    T.cumsum(dg_shared[:, 0:HV], dim=0, reverse=True)
+                    for i, h in T.Parallel(BT, HV):
+                        if t0 + i < eos:
+                            dg[0, t0 + i, h] = dg_shared[i, h]
+                else:
+                    for i, h in T.Parallel(BT, HV):
+                        if t0 + i < eos:
+                            dg[0, t0 + i, h] = 0
+
+    return prepare_bwd_kernel
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+
+
+def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-local gate cumsum and the per-chunk WY inverse.
+
+    Args:
+        k: ``[1, T, H, K]`` bf16/fp16, K in (64, 128, 256).
+        g: ``[1, T, HV]`` fp32 log decays.
+        beta: ``[1, T, HV]`` any float dtype.
+        cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+
+    Returns:
+        g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
+        ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``.
+    """
+    _, n_tok, H, K = k.shape
+    HV = g.shape[-1]
+    assert chunk_size == 64 and K in SUPPORTED_K and HV % H == 0
+    assert k.dtype in (torch.bfloat16, torch.float16) and g.dtype == torch.float32
+    assert k.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
+    cu_seqlens = _check_cu_seqlens(cu_seqlens)
+    g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
+    A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
+    if n_tok == 0:
+        return g_cumsum, A
+    kernel = _build_prepare_fwd(HV, H, K, chunk_size, _TORCH_TO_TL[k.dtype], _TORCH_TO_TL[beta.dtype])
+    kernel(k, g, beta, cu_seqlens, g_cumsum, A)
+    return g_cumsum, A
+
+
+def prepare_bwd(dG: torch.Tensor, cu_seqlens: torch.Tensor, *, chunk_size: int = 64) -> torch.Tensor:
+    """Chunk-local reverse cumsum of the gradient w.r.t. g_cumsum.
+
+    Args:
+        dG: ``[1, T, HV]`` fp32.
+        cu_seqlens: ``[N + 1]`` int32.
+
+    Returns:
+        dg ``[1, T, HV]`` fp32, the gradient w.r.t. g (0 on padding).
+    """
+    _, n_tok, HV = dG.shape
+    assert chunk_size == 64 and dG.dtype == torch.float32 and dG.is_contiguous()
+    cu_seqlens = _check_cu_seqlens(cu_seqlens)
+    dg = _tl.alloc((1, n_tok, HV), torch.float32, dG.device)
+    if n_tok == 0:
+        return dg
+    _build_prepare_bwd(HV, chunk_size)(dG, cu_seqlens, dg)
+    return dg

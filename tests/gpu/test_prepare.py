@@ -1,0 +1,113 @@
+"""Stage `prepare` on a Hopper GPU: `kernels.prepare.prepare_fwd` / `prepare_bwd` against their float64 twins.
+
+A is checked against the float64 inverse with the reference rounded to A's dtype as the baseline (the kernel
+may add at most as much error again as that rounding), and must be exactly 0 wherever the reference is
+(upper triangle, columns past a ragged chunk's end, padding rows). Outputs are NaN-poisoned (conftest), so a
+row the kernel forgets fails the non-finite check.
+"""
+import dataclasses
+import random
+
+import pytest
+import torch
+from _helpers import Case, assert_close, make_inputs
+
+from flashdelta.reference import chunked as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepCase:
+    name: str
+    seqlens: tuple
+    H: int
+    HV: int
+    K: int = 128
+    pad: int = 0
+    dtype: torch.dtype = torch.bfloat16      # k
+    beta_dtype: torch.dtype = torch.float32
+    gate: str = "model"
+
+    def __str__(self):
+        return self.name
+
+
+def _lens(n, choices, seed):
+    rng = random.Random(seed)
+    return tuple(rng.choice(choices) for _ in range(n))
+
+
+EDGES = (0, 1, 63, 64, 65, 0, 200, 1, 130, 127, 128, 129)
+CASES = [
+    PrepCase("tp1-dense-4k", (4096,), H=16, HV=64),
+    PrepCase("edges-gva2-pad37", EDGES, H=4, HV=8, pad=37, beta_dtype=torch.bfloat16),
+    PrepCase("edges-gva2-fp16", EDGES, H=4, HV=8, pad=37, dtype=torch.float16, beta_dtype=torch.float16),
+    PrepCase("gva4-fp16-pad70", (500, 0, 1, 1000, 77), H=4, HV=16, pad=70, dtype=torch.float16,
+             beta_dtype=torch.float16),
+    PrepCase("gva4-bench-gate", (3000, 1096), H=16, HV=64, gate="bench"),
+    PrepCase("gva1-300seqs", _lens(300, (0, 1, 2, 5, 63, 64, 65, 100, 150), 1), H=4, HV=4, pad=3),
+    PrepCase("gva1-zero-gate", (129, 64), H=4, HV=4, gate="zero"),
+    PrepCase("k64-fp16", (100, 64, 3), H=2, HV=4, K=64, pad=9, dtype=torch.float16),
+    PrepCase("k256", (100, 64, 3), H=2, HV=4, K=256, pad=9),
+    # 70k sequences: three rounds of the in-kernel chunk search, more chunks than a grid y/z dim holds
+    PrepCase("70k-seqs", _lens(70000, (0, 1, 2, 3), 2), H=1, HV=1, pad=10),
+]
+
+
+def _inputs(case):
+    c = Case(case.name, case.seqlens, H=case.H, HV=case.HV, K=case.K, V=8, pad=case.pad, h0=False,
+             gate=case.gate)
+    x = make_inputs(c, dtype=case.dtype, device="cuda")
+    return x["k"], x["g"], x["beta"].to(case.beta_dtype), x["cu_seqlens"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prepare_fwd(case):
+    from flashdelta.kernels.prepare import prepare_fwd
+    k, g, beta, cu = _inputs(case)
+    g_cumsum, A = prepare_fwd(k, g, beta, cu)
+    torch.cuda.synchronize()
+    g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
+    assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
+    assert_close("g_cumsum", g_cumsum, g_ref)
+    assert_close("A", A, A_ref, baseline=A_ref.to(k.dtype))
+    zero = A_ref == 0
+    assert torch.all(A[zero] == 0), f"{int((A[zero] != 0).sum())} entries nonzero where the reference is 0"
+    if case.pad:
+        assert torch.all(g_cumsum[:, -case.pad:] == 0)
+
+
+def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
+    from flashdelta.kernels.prepare import prepare_fwd
+    case = CASES[1]
+    k, g, beta, cu = _inputs(case)
+    g_ref, A_ref = prepare_fwd(k, g, beta, cu)
+    cu64 = cu.to(torch.int64)
+    prepare_fwd(k, g, beta, cu64)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, A_out = prepare_fwd(k, g, beta, cu64)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, g_ref) and torch.equal(A_out, A_ref)
+
+
+BWD_CASES = [
+    PrepCase("bwd-dense-4k", (4096,), H=16, HV=64),
+    PrepCase("bwd-edges-pad37", EDGES, H=4, HV=8, pad=37),
+    PrepCase("bwd-70k-seqs", _lens(70000, (0, 1, 2, 3, 70), 3), H=1, HV=2, pad=10),
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=str)
+def test_prepare_bwd(case):
+    from flashdelta.kernels.prepare import prepare_bwd
+    _, _, _, cu = _inputs(case)
+    T = sum(case.seqlens) + case.pad
+    dG = torch.randn(1, T, case.HV, device="cuda")
+    dg = prepare_bwd(dG, cu)
+    torch.cuda.synchronize()
+    dg_ref = ref.prepare_bwd(dG, cu)
+    assert dg.dtype == torch.float32
+    assert_close("dg", dg, dg_ref, tol=1e-5)
+    if case.pad:
+        assert torch.all(dg[:, -case.pad:] == 0)

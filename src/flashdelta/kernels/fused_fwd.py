@@ -14,15 +14,19 @@ One CTA walks every chunk of one (sequence, value head, V slice) with the state 
 The serial chain S0 -> Vd -> S1 is two register-A wgmma groups and one fp32->bf16 conversion: no shared-memory
 round trip. Warp roles (384 threads):
 
-- WG0 "state"   (240 regs): the chain above, then O^T -> o_shared (transposed) for the store warp.
-- WG1 "prep"    (224 regs): zeroes rows past a ragged chunk's end, Q K^T, Gamma, Pg, Ag (in place over the A
-  tile), Xn, and the per-row scalars R, scale*exp(G), exp(G_last); runs one chunk ahead of WG0.
-- WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A (3-stage ring) and gathers g, beta (padding rows of a
-  ragged chunk get g[eos-1] and beta = 0); warp 1 stores o (TMA for full chunks, masked for ragged ones).
+- WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's Vd GEMMs and the S -> bf16
+  conversion run under chunk c's tail), then O^T -> o_shared (transposed, rows padded) for the store warp.
+- WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Xn, and the per-row scalars R,
+  scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
+- WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring and gathers g, beta (rows past the
+  sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte stores.
 
-Every shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
+Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v rows past the end and
+masks A by select, so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
+shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
 CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
-that share a key head run together; the last sequence index (= N) zero-fills o on the padding tail.
+that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
+Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
 """
 
 import tilelang
@@ -33,9 +37,12 @@ from . import _tl
 
 BT_DEFAULT = 64
 NUM_STAGES = 3          # q/k/v/A/g/beta ring depth
-# (K, V) pairs this kernel supports, and the V slice widths one CTA can own.
+# (K, V) pairs this kernel supports (each run on an H200 in tests/gpu/test_fwd.py). K <= 128 keeps S^T [64, K] in
+# the state warpgroup's registers; V is split into V / 64 CTAs.
 HEAD_DIMS = ((128, 128), (64, 64), (128, 256))
-BV_CHOICES = (64,)
+# One state warpgroup owns 64 value columns (wgmma M = 64); two would need 2 x ~216 + prep + producer > 512
+# registers per thread slot, so BV is fixed and every grid splits V into V / 64 CTAs.
+BLOCK_V = 64
 OVERLAP = True          # software-pipelined state warpgroup (False: the plain per-chunk order, kept for A/B tests)
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
@@ -352,16 +359,21 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     return chunk_fwd_kernel
 
 
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64, num_sms=None):
-    """Fused forward. q, k ``[1, T, H, K]``; v ``[1, T, HV, V]`` (bf16/fp16, one dtype); g_cumsum ``[1, T, HV]``
-    fp32; beta ``[1, T, HV]``; A ``[1, T, HV, BT]`` (q's dtype); initial_state ``[N, HV, K, V]`` (or
-    ``[N, HV, V, K]`` with state_v_first) or None; cu_seqlens ``[N + 1]`` int32. Returns
-    ``(o [1, T, HV, V] in v.dtype, final_state fp32)``. No host synchronisation."""
+              chunk_size=64):
+    """Fused forward (docs/stages.md `chunk_fwd`).
+
+    Args:
+        q, k: ``[1, T, H, K]`` bf16/fp16; v: ``[1, T, HV, V]`` (same dtype); (K, V) in `HEAD_DIMS`.
+        g_cumsum: ``[1, T, HV]`` fp32 chunk-local cumsum; beta: ``[1, T, HV]`` any float dtype.
+        A: ``[1, T, HV, BT]`` in q's dtype (ungated WY inverse, from `prepare_fwd`).
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first), fp32 or bf16, or None.
+        cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+
+    Returns:
+        o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
+        `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
+    """
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -369,18 +381,22 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     assert (K, V) in HEAD_DIMS, f"head dims (K={K}, V={V}) unsupported; supported {HEAD_DIMS}"
     assert q.dtype == k.dtype == v.dtype == A.dtype and q.dtype in (torch.bfloat16, torch.float16)
     assert HV % H == 0 and g_cumsum.dtype == torch.float32
-    BV = 64
     dev = q.device
-    o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
+    if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
+        if initial_state is None:
+            ht.zero_()
+        else:
+            ht.copy_(initial_state)
+        return o, ht
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     h0 = initial_state if initial_state is not None else ht
-    beta = beta.contiguous()
-    kernel = _build_chunk_fwd(H, HV, K, V, BV, chunk_size, _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[beta.dtype],
+    kernel = _build_chunk_fwd(H, HV, K, V, BLOCK_V, chunk_size, _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[beta.dtype],
                               _TORCH_TO_TL[h0.dtype], float(scale), initial_state is not None, bool(state_v_first),
                               True, OVERLAP, EARLY_RELEASE)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta, A.contiguous(),
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
            h0.contiguous(), cu_seqlens, o, ht)
     return o, ht

@@ -1,5 +1,9 @@
-"""`flashdelta check`: a realistic forward + backward through the public API on the best backend,
-compared with the float64 reference. Exits non-zero on a mismatch."""
+"""Command line.
+
+`flashdelta check`: a realistic forward + backward through the public API on the best backend, compared
+with the float64 reference; exits non-zero on a mismatch.
+`flashdelta warmup --heads H/HV ...`: compile the SM90 kernels a model needs into TileLang's cache.
+"""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +89,36 @@ def check(args) -> int:
     return 1 if failed else 0
 
 
+def _dtype(name: str) -> torch.dtype:
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in table:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {list(table)}, got {name!r}")
+    return table[name]
+
+
+def _heads(text: str) -> tuple:
+    try:
+        H, HV = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads takes H/HV such as 16/64, got {text!r}") from None
+    if H <= 0 or HV % H:
+        raise argparse.ArgumentTypeError(f"--heads {text}: HV must be a positive multiple of H")
+    return H, HV
+
+
+def warmup(args) -> int:
+    from .kernels.warmup import variants, warmup as run  # noqa: PLC0415
+
+    opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
+                beta_dtype=args.beta_dtype, scale=args.scale,
+                state_v_first=(args.state_v_first,))
+    n = len(variants(args.heads, **opts))
+    print(f"flashdelta warmup: compiling {n} SM90 kernel variants into TileLang's cache", file=sys.stderr)
+    seconds = run(args.heads, **opts)
+    print(f"done in {seconds:.1f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashdelta")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -96,6 +130,16 @@ def main(argv=None) -> int:
     p.add_argument("--heads-v", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.set_defaults(func=check)
+    w = sub.add_parser("warmup", help="compile the SM90 kernels a model needs into TileLang's persistent cache")
+    w.add_argument("--heads", type=_heads, action="append", required=True,
+                   help="H/HV of one layer shape, e.g. 16/64; repeat for several")
+    w.add_argument("--head-dim", type=int, default=128, help="K (and V unless --head-dim-v)")
+    w.add_argument("--head-dim-v", type=int, default=None)
+    w.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="q/k/v dtype: bf16 or fp16")
+    w.add_argument("--beta-dtype", type=_dtype, default=torch.float32)
+    w.add_argument("--scale", type=float, default=None, help="output scale (default K ** -0.5)")
+    w.add_argument("--state-v-first", action="store_true")
+    w.set_defaults(func=warmup)
     args = parser.parse_args(argv)
     return args.func(args)
 

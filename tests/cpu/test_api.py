@@ -149,4 +149,4 @@ def test_backward_returns_one_gradient_per_input():
 
 
 def test_public_exports():
-    assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule"}
+    assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule", "warmup"}

@@ -6,18 +6,23 @@ pytest.importorskip("tilelang")
 
 from flashdelta.kernels import fused_fwd  # noqa: E402
 
+import torch  # noqa: E402
+
 SCALE = 128 ** -0.5
 
-# (H, HV, K, V, BV, BT, dtype, beta dtype, h0 dtype, scale, has_initial_state, state_v_first, store_final_state)
+# builder_args(H, HV, K, V, dtype, beta dtype, h0 dtype, scale, has_initial_state, state_v_first): exactly the
+# compile keys the launcher uses.
 VARIANTS = {
-    "bf16-gva2-h0": (2, 4, 128, 128, 64, 64, "bfloat16", "bfloat16", "float32", SCALE, True, False, True),
-    "fp16-noh0-vfirst": (4, 4, 128, 128, 64, 64, "float16", "float32", "float32", SCALE, False, True, True),
+    "bf16-gva2-h0": fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16, torch.float32, SCALE,
+                                           True, False),
+    "fp16-noh0-vfirst": fused_fwd.builder_args(4, 4, 128, 128, torch.float16, torch.float32, torch.float32, SCALE,
+                                               False, True),
 }
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_compiles_warp_specialized(name):
-    kernel = fused_fwd._build_chunk_fwd(*VARIANTS[name], fused_fwd.OVERLAP)
+    kernel = fused_fwd._build_chunk_fwd(*VARIANTS[name])
     src = kernel.get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" in src            # state GEMMs take S^T / Vd^T from registers
     assert "warpgroup_reg_alloc" in src and "warpgroup_reg_dealloc" in src   # setmaxnreg
@@ -25,3 +30,15 @@ def test_compiles_warp_specialized(name):
     assert "fence_proxy_async" in src
     # role branches synchronise only through mbarriers: the one block-wide barrier follows mbarrier init
     assert src.count("__syncthreads()") == 1
+
+
+def test_warmup_builds_the_launcher_variants():
+    import flashdelta
+    from flashdelta.kernels.warmup import variants
+
+    todo = variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,))
+    assert [label.split()[0] for label, _, _ in todo] == ["prepare_fwd", "chunk_fwd"]
+    assert todo[1][2] == VARIANTS["bf16-gva2-h0"]  # the same cache key as a real call
+    seconds = flashdelta.warmup([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
+                                progress=False)
+    assert seconds >= 0

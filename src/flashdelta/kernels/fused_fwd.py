@@ -359,6 +359,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     return chunk_fwd_kernel
 
 
+def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                 h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
+    """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
+    return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE)
+
+
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64):
     """Fused forward (docs/stages.md `chunk_fwd`).
@@ -394,9 +401,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     h0 = initial_state if initial_state is not None else ht
-    kernel = _build_chunk_fwd(H, HV, K, V, BLOCK_V, chunk_size, _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[beta.dtype],
-                              _TORCH_TO_TL[h0.dtype], float(scale), initial_state is not None, bool(state_v_first),
-                              True, OVERLAP, EARLY_RELEASE)
+    kernel = _build_chunk_fwd(*builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale,
+                                            initial_state is not None, state_v_first))
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
            h0.contiguous(), cu_seqlens, o, ht)
     return o, ht

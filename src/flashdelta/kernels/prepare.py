@@ -283,6 +283,11 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
+def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
+    """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype])
+
+
 def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-local gate cumsum and the per-chunk WY inverse.
@@ -307,7 +312,7 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
-    kernel = _build_prepare_fwd(HV, H, K, chunk_size, _TORCH_TO_TL[k.dtype], _TORCH_TO_TL[beta.dtype])
+    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A
 

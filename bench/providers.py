@@ -158,6 +158,9 @@ class FlashDelta(Provider):
         return self.fn(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=inp.scale, initial_state=inp.h0,
                        output_final_state=True, cu_seqlens=inp.cu)
 
+    def cp_partitions(self, inp: Inputs, train: bool) -> Optional[int]:
+        return 1  # flashdelta has no context parallelism yet: every sequence runs whole
+
 
 class _LogWatch(logging.Handler):
     def __init__(self):

@@ -6,13 +6,14 @@ Everything numeric in the tests goes through `assert_close`; per-tensor toleranc
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 
 from flashdelta.numerics import TOLS, rel_l2
 from flashdelta.testing import bench_gate, model_gate
 
-__all__ = ["TOLS", "Case", "assert_close", "bench_gate", "make_inputs", "model_gate", "rel_l2"]
+__all__ = ["TOLS", "Case", "assert_close", "bench_gate", "make_inputs", "model_gate", "random_lengths", "rel_l2"]
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, *, baseline: torch.Tensor | None = None,
@@ -68,6 +69,12 @@ class Case:
 
     def __str__(self) -> str:
         return self.name
+
+
+def random_lengths(n: int, choices, seed: int) -> tuple:
+    """`n` sequence lengths drawn from `choices` with a fixed seed (many-sequence varlen cases)."""
+    rng = random.Random(seed)
+    return tuple(rng.choice(choices) for _ in range(n))
 
 
 def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, requires_grad: bool = False):

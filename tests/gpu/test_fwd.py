@@ -6,11 +6,10 @@ GEMM operands rounded to the input dtype) consume exactly the inputs the kernel 
 (conftest): o on the padding tail must be exactly 0, and an empty sequence's final state is its initial state.
 """
 import dataclasses
-import random
 
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs
+from _helpers import Case, assert_close, make_inputs, random_lengths
 
 from flashdelta import portable
 from flashdelta.kernels import fused_fwd
@@ -35,11 +34,6 @@ class FwdCase:
 
     def __str__(self):
         return self.name
-
-
-def _lens(n, choices, seed):
-    rng = random.Random(seed)
-    return tuple(rng.choice(choices) for _ in range(n))
 
 
 EDGES = (1, 0, 63, 64, 65, 200, 130, 0, 127, 129)
@@ -101,7 +95,7 @@ def test_chunk_fwd_many_sequences():
     reference over all of them does not fit in memory, so a sample (every 7th sequence past index 65,529, plus the
     first 50) is checked: the full launch must match, bit for bit, the kernel run on the sample alone, and that
     run must match the reference."""
-    x = _inputs(FwdCase("70k-seqs", _lens(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False))
+    x = _inputs(FwdCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False))
     o, ht = _run(x)
     cu = x["cu_seqlens"].tolist()
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()

@@ -6,11 +6,10 @@ may add at most as much error again as that rounding), and must be exactly 0 whe
 row the kernel forgets fails the non-finite check.
 """
 import dataclasses
-import random
 
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs
+from _helpers import Case, assert_close, make_inputs, random_lengths
 
 from flashdelta.reference import chunked as ref
 
@@ -31,11 +30,6 @@ class PrepCase:
         return self.name
 
 
-def _lens(n, choices, seed):
-    rng = random.Random(seed)
-    return tuple(rng.choice(choices) for _ in range(n))
-
-
 EDGES = (0, 1, 63, 64, 65, 0, 200, 1, 130, 127, 128, 129)
 CASES = [
     PrepCase("tp1-dense-4k", (4096,), H=16, HV=64),
@@ -44,12 +38,12 @@ CASES = [
     PrepCase("gva4-fp16-pad70", (500, 0, 1, 1000, 77), H=4, HV=16, pad=70, dtype=torch.float16,
              beta_dtype=torch.float16),
     PrepCase("gva4-bench-gate", (3000, 1096), H=16, HV=64, gate="bench"),
-    PrepCase("gva1-300seqs", _lens(300, (0, 1, 2, 5, 63, 64, 65, 100, 150), 1), H=4, HV=4, pad=3),
+    PrepCase("gva1-300seqs", random_lengths(300, (0, 1, 2, 5, 63, 64, 65, 100, 150), 1), H=4, HV=4, pad=3),
     PrepCase("gva1-zero-gate", (129, 64), H=4, HV=4, gate="zero"),
     PrepCase("k64-fp16", (100, 64, 3), H=2, HV=4, K=64, pad=9, dtype=torch.float16),
     PrepCase("k256", (100, 64, 3), H=2, HV=4, K=256, pad=9),
     # 70k sequences: three rounds of the in-kernel chunk search, more chunks than a grid y/z dim holds
-    PrepCase("70k-seqs", _lens(70000, (0, 1, 2, 3), 2), H=1, HV=1, pad=10),
+    PrepCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3), 2), H=1, HV=1, pad=10),
 ]
 
 
@@ -94,7 +88,7 @@ def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
 BWD_CASES = [
     PrepCase("bwd-dense-4k", (4096,), H=16, HV=64),
     PrepCase("bwd-edges-pad37", EDGES, H=4, HV=8, pad=37),
-    PrepCase("bwd-70k-seqs", _lens(70000, (0, 1, 2, 3, 70), 3), H=1, HV=2, pad=10),
+    PrepCase("bwd-70k-seqs", random_lengths(70000, (0, 1, 2, 3, 70), 3), H=1, HV=2, pad=10),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import Optional
 
 import torch
@@ -52,6 +53,28 @@ def _can_read_values(x: Tensor) -> bool:
     return True
 
 
+# The last cu_seqlens whose values were validated: (weak reference, version counter, T). Every layer of a
+# model call passes the same tensor, so only the first pays the device-to-host copy.
+_validated: list = [None]
+
+
+def _check_cu_values(cu: Tensor, T: int) -> None:
+    last = _validated[0]
+    if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == T:
+        return
+    host = cu.cpu()
+    if host[0].item() != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {host[0].item()}")
+    steps = host[1:] - host[:-1]
+    if (steps < 0).any():
+        i = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}]={host[i].item()} > "
+                         f"cu_seqlens[{i + 1}]={host[i + 1].item()}")
+    if host[-1].item() > T:
+        raise ValueError(f"cu_seqlens[-1]={host[-1].item()} exceeds the token count T={T} of q")
+    _validated[0] = (weakref.ref(cu), cu._version, T)
+
+
 def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
     cu = _tensor("cu_seqlens", cu_seqlens, 1)
     if cu.dtype not in _INDEX_DTYPES:
@@ -63,18 +86,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
         raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
-    if not _can_read_values(cu):
-        return  # validated eagerly outside torch.compile / CUDA-graph capture
-    host = cu.cpu()
-    if host[0].item() != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {host[0].item()}")
-    steps = host[1:] - host[:-1]
-    if (steps < 0).any():
-        i = int(torch.nonzero(steps < 0)[0])
-        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}]={host[i].item()} > "
-                         f"cu_seqlens[{i + 1}]={host[i + 1].item()}")
-    if host[-1].item() > T:
-        raise ValueError(f"cu_seqlens[-1]={host[-1].item()} exceeds the token count T={T} of q")
+    if _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
+        _check_cu_values(cu, T)
 
 
 def chunk_gated_delta_rule(

@@ -150,3 +150,18 @@ def test_backward_returns_one_gradient_per_input():
 
 def test_public_exports():
     assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule", "warmup"}
+
+
+def test_cu_seqlens_values_revalidated_after_in_place_change():
+    x = _good(T=8)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)  # validated, then cached by identity and version
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    cu[1] = 9
+    with pytest.raises(ValueError, match=r"non-decreasing"):
+        chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    x_short = _good(T=5)
+    cu2 = torch.tensor([0, 3, 8], dtype=torch.int32)
+    chunk_gated_delta_rule(**x, cu_seqlens=cu2)
+    with pytest.raises(ValueError, match=r"exceeds the token count T=5"):
+        chunk_gated_delta_rule(**x_short, cu_seqlens=cu2)

@@ -95,23 +95,27 @@ def test_gradcheck_float64(case):
 
 
 def test_torch_compile_fullgraph_cpu():
-    case = Case("compile", (40, 40), varlen=False, H=2, HV=4, K=16, V=16)
-    x = make_inputs(case, dtype=torch.float32, requires_grad=True)
+    """Inductor, fullgraph, dynamic shapes: one graph serves two lengths, and matches eager (fwd + grads)."""
+    torch._dynamo.reset()
 
     def f(q, k, v, g, beta, h0):
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                        use_qk_l2norm_in_kernel=True)
         return (o * o).sum() + ht.square().sum()
 
-    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss_c = compiled(*args)
-    grads_c = torch.autograd.grad(loss_c, args)
-    loss_e = f(*args)
-    grads_e = torch.autograd.grad(loss_e, args)
-    torch.testing.assert_close(loss_c, loss_e)
-    for gc, ge in zip(grads_c, grads_e):
-        torch.testing.assert_close(gc, ge)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for T in (40, 70):
+        x = make_inputs(Case("compile", (T, T), varlen=False, H=2, HV=4, K=16, V=16), dtype=torch.float32,
+                        requires_grad=True)
+        args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        loss_c = compiled(*args)
+        grads_c = torch.autograd.grad(loss_c, args)
+        loss_e = f(*args)
+        grads_e = torch.autograd.grad(loss_e, args)
+        torch.testing.assert_close(loss_c, loss_e)
+        for gc, ge in zip(grads_c, grads_e):
+            torch.testing.assert_close(gc, ge)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation for the new length
 
 
 def test_only_final_state_used_in_loss():

@@ -42,3 +42,18 @@ def test_warmup_builds_the_launcher_variants():
     seconds = flashdelta.warmup([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
                                 progress=False)
     assert seconds >= 0
+
+
+def test_profiled_variant_reads_timers():
+    """profile=True (the chunk_fwd_profiled development build) compiles, and only it reads the SM clock: one
+    predicated %clock64 stamp per role event, %globaltimer for the cycle -> ns calibration, the extra output."""
+    kernel = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"], True)
+    src = kernel.get_kernel_source()
+    assert "%%clock64" in src and "%%globaltimer" in src
+    assert "int64_t* __restrict__ prof" in src                    # the timeline output, writable
+    roles = [e for e in fused_fwd.PROF_EVENTS if not e.startswith("m.")]
+    assert src.count("fd_prof_stamp(prof,") >= len(roles)        # every role event stamped at least once
+    assert src.count("fd_prof_cal(prof,") == 2
+    assert src.count("__syncthreads()") == 1                     # still no block-wide barrier in the roles
+    plain = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert "fd_prof" not in plain and "clock64" not in plain

@@ -27,6 +27,9 @@ shared-memory write by ordinary stores that wgmma or TMA reads next is followed 
 CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
 that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
 Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
+
+Development tool: `chunk_fwd_profiled` runs a separately compiled variant (builder `profile=True`) in which one thread
+per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py prints the per-role timeline.
 """
 
 import tilelang
@@ -54,12 +57,123 @@ _PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
+# ---- opt-in per-role timeline (development tool: `chunk_fwd_profiled`, bench/profile_fwd.py) ----
+# With `profile=True` the builder adds one int64 output `prof [PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)]`: one
+# designated thread per role (state WG thread 0, prep WG thread 128, load warp thread 256, store warp thread 288) of
+# each CTA with blockIdx.x < PROF_CTAS writes the SM cycle counter (%clock64) at each event of chunks
+# c < PROF_CHUNKS; everything else only evaluates the predicate. Entries never written stay as allocated (0).
+# The "m." entries live in row c = 0: clock64/globaltimer pairs at the state WG's start and end (cycles -> ns) and NT.
+# Chunk index convention: an event is filed under the chunk it belongs to (s.tail of chunk c is recorded in the
+# state loop iteration that starts chunk c+1). With profile=False nothing here reaches the kernel.
+PROF_CTAS = 2
+PROF_CHUNKS = 128
+PROF_EVENTS = (
+    # meta (row 0)
+    "m.clk0", "m.gt0", "m.clk1", "m.gt1", "m.nt",
+    # state WG, thread 0, chunk c (overlap path order: s.full, s.prep, [s.tail c-1], s.vd_issued, [s.released..
+    # s.o_staged c-1], s.vd_done, s.fin_begin, s.fin_o1, s.fin_end, [s.full/s.prep c+1], s.tail, s.released ...)
+    "s.full",       # full[c] wait returned (q/k/v/A/g/beta of chunk c in shared memory)
+    "s.prep",       # prep_done[c] wait returned (Ag, Xn, Pg, r, dq, e_L of chunk c ready)
+    "s.vd_issued",  # Vd^T GEMMs of chunk c issued (S0 -> bf16 copy and the e_L state scale done)
+    "s.vd_done",    # Vd^T of chunk c complete (wait_wgmma)
+    "s.fin_begin",  # finish_chunk(c) starts: O^T = S0^T Q^T issued next
+    "s.fin_o1",     # O^T = S0^T Q^T complete (wait_wgmma(1) inside finish_chunk; S1 GEMM still in flight)
+    "s.fin_end",    # O^T += Vd^T Pg^T issued (finish_chunk(c) has issued everything)
+    "s.tail",       # S1 = e_L S0 + (Vd R) K and O^T of chunk c complete
+    "s.released",   # empty[c] and pout_empty[c] arrived (ring slot and prep buffers handed back)
+    "s.o_empty",    # o_empty wait returned (store warp done with this o_s buffer)
+    "s.o_staged",   # O^T of chunk c written to o_s, o_full arrived
+    # prep WG, thread 128, chunk c
+    "p.begin",      # loop top, before the full[c] wait
+    "p.full",       # full[c] wait returned (after the ragged-row zeroing, if any)
+    "p.qk_issued",  # Q K^T issued; A tile and g/beta loaded into registers
+    "p.pout",       # pout_empty wait returned (state WG released this xn/pg/r/dq buffer)
+    "p.qk_done",    # Q K^T complete
+    "p.ew_done",    # element-wise pass done (Gamma, Ag, A o beta, Pg in registers)
+    "p.stored",     # Xn GEMM issued; Ag, Pg, r, dq, e_L, -exp(G) stored under it
+    "p.xn_done",    # Xn GEMM complete
+    "p.done",       # Xn converted and stored, fenced, prep_done arrived
+    # producer load warp, thread 256, chunk c
+    "l.begin",      # loop top, before the empty wait
+    "l.empty",      # ring slot free (empty, or empty_va with early_release)
+    "l.va_issued",  # v and A TMA issued, g/beta gathered into shared memory (synchronous global loads)
+    "l.qk_slot",    # q/k half of the slot free (= l.va_issued without early_release)
+    "l.issued",     # q and k TMA issued, full arrived
+    # store warp, thread 288, chunk c
+    "w.begin",      # loop top, before the o_full wait
+    "w.o_full",     # o_full wait returned
+    "w.stored",     # o rows stored to global memory, o_empty arrived
+)
+PROF_INDEX = {name: i for i, name in enumerate(PROF_EVENTS)}
+_PROF_ROLE_THREAD = {"s": 0, "p": 128, "l": 256, "w": 288, "m": 0}
+# Prepended to the kernel source (T.Kernel prelude) only when profiling: forceinline, so no call boundary sits
+# between wgmma instructions; "memory" clobbers keep shared/global accesses from moving across a timer read.
+_PROF_PRELUDE = r"""
+__device__ __forceinline__ void fd_prof_stamp(void* buf, int idx, bool on) {
+  if (on) {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+    static_cast<long long*>(buf)[idx] = t;
+  }
+}
+__device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
+  if (on) {
+    long long t, g;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
+    static_cast<long long*>(buf)[idx] = t;
+    static_cast<long long*>(buf)[idx + 1] = g;
+  }
+}
+"""
+
+
+class _NoMarker:
+    """profile=False: every mark is a Python-level no-op, so the traced kernel is exactly the uninstrumented one."""
+
+    def __call__(self, c, ev):
+        return None
+
+    def later(self, c, ev):
+        return lambda: None
+
+    def cal(self, ev):
+        return None
+
+
+class _Marker(_NoMarker):
+    """profile=True: each mark is one `fd_prof_*` call, predicated on (designated thread, bx, chunk) on the device."""
+
+    def __init__(self, prof, bx, tx):
+        self.prof, self.bx, self.tx = prof, bx, tx
+
+    def _at(self, c, ev):
+        on = (self.tx == _PROF_ROLE_THREAD[ev[0]]) & (self.bx < PROF_CTAS) & (c < PROF_CHUNKS)
+        # bx is clamped so that the (unused) index of a non-recording CTA cannot overflow int32
+        idx = (T.min(self.bx, PROF_CTAS - 1) * PROF_CHUNKS + c) * len(PROF_EVENTS) + PROF_INDEX[ev]
+        return idx, on
+
+    def __call__(self, c, ev):
+        idx, on = self._at(c, ev)
+        return T.call_extern("handle", "fd_prof_stamp", self.prof.data, idx, on)
+
+    def later(self, c, ev):
+        return lambda: self(c, ev)
+
+    def cal(self, ev):
+        idx, on = self._at(0, ev)
+        return T.call_extern("handle", "fd_prof_cal", self.prof.data, idx, on)
+
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
-                     store_final_state: bool, overlap: bool = True, early_release: bool = False):
-    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
+                     store_final_state: bool, overlap: bool = True, early_release: bool = False,
+                     profile: bool = False):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
+
+    profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    """
     # problem config
     G = HV // H
     NV = V // BV
@@ -72,9 +186,14 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
+    # profile=False: `prof` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
+    prof_t = T.Tensor((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), "int64") if profile else None
+
+    def marker(prof, bx, tx):
+        return _Marker(prof, bx, tx) if profile else _NoMarker()
 
     @T.macro
-    def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
+    def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
         # on entry: Vd^T = V^T Ag^T + S0^T Xn^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
         T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
         for i, j in T.Parallel(BV, BT):
@@ -82,6 +201,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
         T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
         T.wait_wgmma(1)
+        on_o1()
         for i, j in T.Parallel(BV, BT):
             o_f[i, j] = o_f[i, j] * dq_s[pb, j]
         T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)            # O^T += Vd^T Pg^T
@@ -93,14 +213,17 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full):
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
+        mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
+        mark(c, "s.o_empty")
         for i, j in T.Parallel(BV, BT):
             o_s[c % 2, j, i] = T.cast(o_f[i, j], dtype)
         T.barrier_arrive(o_full[c % 2])
+        mark(c, "s.o_staged")
 
     @T.prim_func
     def chunk_fwd_kernel(
@@ -114,8 +237,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         o: T.Tensor((1, T_, HV, V), dtype),
         ht: T.Tensor(state_shape, acc),
+        prof: prof_t,
     ):
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS) as bx:
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=_PROF_PRELUDE if profile else None) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
@@ -145,6 +269,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
+            mark = marker(prof, bx, tx)
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -172,6 +297,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     vdr_f = T.alloc_fragment((BV, BT), dtype)
                     vdb_f = T.alloc_fragment((BV, BT), dtype)
                     o_f = T.alloc_fragment((BV, BT), acc)       # O^T
+                    mark.cal("m.clk0")
+                    if profile:
+                        # an ordinary TIR store, so TileLang passes `prof` as a writable pointer
+                        if (tx == 0) & (bx < PROF_CTAS):
+                            prof[bx, 0, PROF_INDEX["m.nt"]] = T.cast(NT, "int64")
                     if has_initial_state:
                         if state_v_first:
                             for i, j in T.Parallel(BV, K):
@@ -187,42 +317,58 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         # loop back-edge and none is issued conditionally (ptxas would serialize every wgmma).
                         if NT > 0:
                             T.barrier_wait(full[0], 0)
+                            mark(0, "s.full")
                             T.barrier_wait(prep_done[0], 0)
+                            mark(0, "s.prep")
                             T.copy(s_f, sb_f)
                             scale_state(s_f, el_s, 0)
                             T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
                             T.wgmma_gemm(sb_f, xn_s[0, :, :], vd_f, transpose_B=True)
+                            mark(0, "s.vd_issued")
                             T.wait_wgmma(0)
+                            mark(0, "s.vd_done")
                             if early_release:
                                 T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
                                 pb1 = (c + 1) % 2
+                                mark(c, "s.fin_begin")
                                 finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
-                                             dq_s)
+                                             dq_s, mark.later(c, "s.fin_o1"))
+                                mark(c, "s.fin_end")
                                 T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
+                                mark(c + 1, "s.full")
                                 T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
+                                mark(c + 1, "s.prep")
                                 T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
+                                mark(c, "s.tail")
                                 T.copy(s_f, sb_f)
                                 T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
                                 scale_state(s_f, el_s, pb1)
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full)
+                                mark(c + 1, "s.vd_issued")
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark)
                                 T.wait_wgmma(0)
+                                mark(c + 1, "s.vd_done")
                                 if early_release:
                                     T.barrier_arrive(empty_va[st1])
+                            mark(NT - 1, "s.fin_begin")
                             finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
-                                         pg_s, r_s, dq_s)
+                                         pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
+                            mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
-                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full)
+                            mark(NT - 1, "s.tail")
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark)
                     else:
                         for c in T.serial(NT):
                             st = c % NS
                             pb = c % 2
                             T.barrier_wait(full[st], (c // NS) % 2)
+                            mark(c, "s.full")
                             T.barrier_wait(prep_done[pb], (c // 2) % 2)
+                            mark(c, "s.prep")
                             T.copy(s_f, sb_f)
                             # Vd^T = V^T Ag^T + S0^T Xn^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
@@ -232,26 +378,35 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             el = el_s[pb, 0]
                             for i, j in T.Parallel(BV, K):
                                 s_f[i, j] = s_f[i, j] * el
+                            mark(c, "s.vd_issued")
                             T.wait_wgmma(1)
+                            mark(c, "s.vd_done")
                             if early_release:
                                 T.barrier_arrive(empty_va[st])
                             for i, j in T.Parallel(BV, BT):
                                 vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
                                 vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
                             # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
+                            mark(c, "s.fin_begin")   # plain order: O^T = S0^T Q^T was issued with the Vd GEMMs
                             T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
                             T.wait_wgmma(1)
+                            mark(c, "s.fin_o1")
                             for i, j in T.Parallel(BV, BT):
                                 o_f[i, j] = o_f[i, j] * dq_s[pb, j]
                             # O^T += Vd^T Pg^T   [BV, BT] @ [BT, BT]
                             T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)
+                            mark(c, "s.fin_end")
                             T.wait_wgmma(0)
+                            mark(c, "s.tail")
                             T.barrier_arrive(empty[st])
                             T.barrier_arrive(pout_empty[pb])
+                            mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
+                            mark(c, "s.o_empty")
                             for i, j in T.Parallel(BV, BT):
                                 o_s[pb, j, i] = T.cast(o_f[i, j], dtype)
                             T.barrier_arrive(o_full[pb])
+                            mark(c, "s.o_staged")
                     if store_final_state:
                         if state_v_first:
                             for i, j in T.Parallel(BV, K):
@@ -259,6 +414,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         else:
                             for i, j in T.Parallel(BV, K):
                                 ht[n64, i_hv, j, v0 + i] = s_f[i, j]
+                    mark.cal("m.clk1")
                 elif tx < 256:
                     # ================= prep warpgroup (state-independent work) =================
                     T.set_max_nreg(224, 1)
@@ -278,6 +434,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         pb = c % 2
                         t0 = bos + c * BT
                         ln = T.min(eos - t0, BT)
+                        mark(c, "p.begin")
                         T.barrier_wait(full[st], (c // NS) % 2)
                         if ln < BT:
                             # rows past the sequence end hold another sequence's (or padding) data
@@ -290,6 +447,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                     v_s[st, i, j] = T.cast(0, dtype)
                             T.fence_proxy_async()
                             T.sync_threads(1, 128)
+                        mark(c, "p.full")
                         # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.copy(a_s[st, :, :], a_f)
@@ -298,8 +456,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         for j in T.Parallel(BT):
                             gj_f[j] = g_s[st, j]
                             bj_f[j] = b_s[st, j]
+                        mark(c, "p.qk_issued")
                         T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+                        mark(c, "p.pout")
                         T.wait_wgmma(0)
+                        mark(c, "p.qk_done")
                         # branch-free element-wise part (Select evaluates both sides; exp(-inf) = 0 above the diagonal)
                         for i, j in T.Parallel(BT, BT):
                             gam = T.exp(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
@@ -307,6 +468,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             ag_f[i, j] = T.cast(ab * gam, dtype)
                             ab_f[i, j] = T.cast(ab, dtype)
                             pgb_f[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                        mark(c, "p.ew_done")
                         # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
                         T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
                         T.copy(ag_f, a_s[st, :, :])
@@ -317,12 +479,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         el_s[pb, 0] = T.exp(g_s[st, BT - 1])
                         for i in T.Parallel(BT):
                             ei_f[i] = -T.exp(g_s[st, i])
+                        mark(c, "p.stored")
                         T.wait_wgmma(0)
+                        mark(c, "p.xn_done")
                         for i, j in T.Parallel(BT, K):
                             xnb_f[i, j] = T.cast(ei_f[i] * xn_f[i, j], dtype)
                         T.copy(xnb_f, xn_s[pb, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(prep_done[pb])
+                        mark(c, "p.done")
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -330,31 +495,39 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
+                            mark(c, "l.begin")
                             if early_release:
                                 T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             else:
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             for t in T.Parallel(BT):
                                 tt = T.cast(T.min(t0 + t, eos - 1), "int64")
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.if_then_else(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
+                            mark(c, "l.va_issued")
                             if early_release:
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            mark(c, "l.qk_slot")
                             T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
                             T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
                             T.barrier_arrive(full[st])
+                            mark(c, "l.issued")
                     elif tx < 320:
                         for c in T.serial(NT):
                             pb = c % 2
                             t0 = bos + c * BT
                             ln = T.min(eos - t0, BT)
+                            mark(c, "w.begin")
                             T.barrier_wait(o_full[pb], (c // 2) % 2)
+                            mark(c, "w.o_full")
                             for i, j in T.Parallel(BT, BV):
                                 if i < ln:
                                     o[0, T.cast(t0 + i, "int64"), i_hv, v0 + j] = o_s[pb, i, j]
                             T.barrier_arrive(o_empty[pb])
+                            mark(c, "w.stored")
 
     return chunk_fwd_kernel
 
@@ -381,6 +554,33 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
+    o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                          state_v_first=state_v_first, chunk_size=chunk_size, variant=None)
+    return o, ht
+
+
+def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
+                       chunk_size=64, overlap=None, early_release=None):
+    """Development tool: `chunk_fwd` with the per-role timeline compiled in (not part of the public API).
+
+    Same arguments and results as `chunk_fwd` (overlap / early_release default to the module's `OVERLAP` /
+    `EARLY_RELEASE`), plus ``timeline``: int64 ``[PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)]`` on q's device,
+    zero-filled, where CTA ``b < PROF_CTAS`` (grid index: sequence-major, then value head, then V slice) wrote
+    the SM cycle counter (%clock64) of each `PROF_EVENTS` event of its chunks ``c < PROF_CHUNKS``; row 0 also
+    holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's start and end, and NT). One
+    designated thread per role records, so the cost is a predicate per event elsewhere; the profiled kernel
+    is a separate compile (`profile=True` in the builder), the plain kernel is untouched.
+    bench/profile_fwd.py turns the timeline into per-role tables.
+    """
+    overlap = OVERLAP if overlap is None else bool(overlap)
+    early_release = EARLY_RELEASE if early_release is None else bool(early_release)
+    return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                      state_v_first=state_v_first, chunk_size=chunk_size, variant=(overlap, early_release))
+
+
+def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
+               variant):
+    """`chunk_fwd`'s body; variant None = the launcher's kernel, (overlap, early_release) = the profiled one."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -392,17 +592,23 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
+    prof = None
+    if variant is not None:
+        prof = torch.zeros((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), dtype=torch.int64, device=dev)
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()
         else:
             ht.copy_(initial_state)
-        return o, ht
+        return o, ht, prof
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     h0 = initial_state if initial_state is not None else ht
-    kernel = _build_chunk_fwd(*builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale,
-                                            initial_state is not None, state_v_first))
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
-           h0.contiguous(), cu_seqlens, o, ht)
-    return o, ht
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
+    tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
+               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    if variant is None:
+        _build_chunk_fwd(*args)(*tensors)
+    else:
+        _build_chunk_fwd(*args[:-2], *variant, True)(*tensors, prof)
+    return o, ht, prof

@@ -61,9 +61,11 @@ _warned: set = set()
 def _backends(q: Tensor, v: Tensor, need_bwd: bool) -> tuple:
     K, V = q.shape[-1], v.shape[-1]
     fwd, bwd = dispatch.resolve(q.device, K, V, q.dtype, need_bwd=need_bwd)
-    native = dispatch.ARCH_TABLE.get(dispatch.current_arch(q.device)) if q.device.type == "cuda" else None
     used = (fwd, bwd) if need_bwd else (fwd,)
-    if native and "torch" in used:
+    if "torch" not in used or dispatch.requested_backend() != "auto":
+        return fwd, bwd
+    native = dispatch.native_backend(q.device)
+    if native:  # auto chose the portable path on a GPU that has native kernels: say why, once
         key = (native, K, V, q.dtype, fwd, bwd if need_bwd else None)
         if key not in _warned:
             _warned.add(key)

@@ -95,6 +95,11 @@ def _cuda_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+def native_backend(device: torch.device) -> Optional[str]:
+    """The architecture's own backend for `device` (None: only the portable path)."""
+    return ARCH_TABLE.get(current_arch(device)) if device.type == "cuda" else None
+
+
 def requested_backend() -> str:
     name = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
     if name not in BACKEND_NAMES:
@@ -128,7 +133,7 @@ def resolve(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bw
             raise UnsupportedError(f"{ENV_BACKEND}={forced}: backend {forced!r} has no {missing} kernels yet; "
                                    f"unset {ENV_BACKEND} (auto) to run that pass on the portable path")
         return forced, forced
-    native = ARCH_TABLE.get(current_arch(device)) if device.type == "cuda" else None
+    native = native_backend(device)
     if native is None:
         return "torch", "torch"
     kset = load(native)

@@ -47,7 +47,7 @@ WHAT = {
     "s.released": "empty/pout_empty arrives", "s.o_staged": "O^T -> o_s (transposed), o_full arrive",
     "p.begin": "loop top", "p.qk_issued": "Q K^T issued, A tile and g/beta to registers",
     "p.stored": "Xn GEMM issued, Ag/Pg/r/dq/e_L stored", "p.done": "Xn -> bf16 -> xn_s, fence, prep_done arrive",
-    "l.begin": "loop top", "l.va_issued": "v/A TMA issued, g/beta gathered (global loads)",
+    "l.begin": "loop top", "l.va_issued": "v/A TMA issued",
     "l.issued": "q/k TMA issued, full arrive", "w.begin": "loop top", "w.stored": "o rows to global, o_empty arrive",
 }
 

@@ -18,8 +18,9 @@ round trip. Warp roles (384 threads):
   conversion run under chunk c's tail), then O^T -> o_shared (transposed, rows padded) for the store warp.
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Xn, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
-- WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring and gathers g, beta (rows past the
-  sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte stores.
+- WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte
+  stores.
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v rows past the end and
 masks A by select, so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -96,7 +97,7 @@ PROF_EVENTS = (
     # producer load warp, thread 256, chunk c
     "l.begin",      # loop top, before the empty wait
     "l.empty",      # ring slot free (empty, or empty_va with early_release)
-    "l.va_issued",  # v and A TMA issued, g/beta gathered into shared memory (synchronous global loads)
+    "l.va_issued",  # v and A TMA issued
     "l.qk_slot",    # q/k half of the slot free (= l.va_issued without early_release)
     "l.issued",     # q and k TMA issued, full arrived
     # store warp, thread 288, chunk c
@@ -126,6 +127,43 @@ __device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
   }
 }
 """
+
+
+# Always prepended: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
+# bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
+# t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
+# are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
+_PRELUDE = r"""
+template <bool kHalf>
+__device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
+  unsigned r;  // (the prelude precedes TileLang's includes: PTX, not cuda_bf16.h)
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+template <bool kHalf>
+__device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, int off, int ld, int tx) {
+  const int lane = tx & 31, m = lane >> 3;
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(o_s)) +
+      2u * (off + (lane & 7) * ld + (tx >> 5) * 16 + (m & 1) * 8 + (m >> 1) * 8 * ld);
+  #pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    unsigned r[4];
+    #pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = (n + (q >> 1)) * 4 + (q & 1) * 2;
+      r[q] = fd_pack2<kHalf>(o_f[i], o_f[i + 1]);
+    }
+    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(base + 2u * n * 8 * ld), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  }
+}
+"""
+_STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
+LOG2E = 1.4426950408889634
 
 
 class _NoMarker:
@@ -169,7 +207,7 @@ class _Marker(_NoMarker):
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False):
+                     profile: bool = False, packed_ew: bool = True, stsm_o: bool = True):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
     profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
@@ -213,15 +251,19 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark):
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
-        for i, j in T.Parallel(BV, BT):
-            o_s[c % 2, j, i] = T.cast(o_f[i, j], dtype)
+        if stsm_o:
+            # packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread instead of 32 + 32 scalar stores
+            T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
+        else:
+            for i, j in T.Parallel(BV, BT):
+                o_s[c % 2, j, i] = T.cast(o_f[i, j], dtype)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
 
@@ -239,7 +281,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=_PROF_PRELUDE if profile else None) as bx:
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=_PRELUDE + (_PROF_PRELUDE if profile else "")) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
@@ -260,7 +302,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
             o_s = T.alloc_shared((2, BT, BV + 8), dtype)  # o staging, rows padded: conflict-free transposed writes
 
-            full = T.alloc_barrier([32] * NS)        # producer warp: 32 arrivals + TMA bytes
+            full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
@@ -349,7 +391,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
                                 scale_state(s_f, el_s, pb1)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
@@ -360,7 +402,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(NT - 1, "s.tail")
-                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark)
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                     else:
                         for c in T.serial(NT):
                             st = c % NS
@@ -403,8 +445,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
-                            for i, j in T.Parallel(BV, BT):
-                                o_s[pb, j, i] = T.cast(o_f[i, j], dtype)
+                            if stsm_o:
+                                T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)),
+                                              BV + 8, tx)
+                            else:
+                                for i, j in T.Parallel(BV, BT):
+                                    o_s[pb, j, i] = T.cast(o_f[i, j], dtype)
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")
                     if store_final_state:
@@ -423,6 +469,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     a_f = T.alloc_fragment((BT, BT), dtype)
                     ag_f = T.alloc_fragment((BT, BT), dtype)
                     pgb_f = T.alloc_fragment((BT, BT), dtype)
+                    ag32_f = T.alloc_fragment((BT, BT), acc)
+                    ab32_f = T.alloc_fragment((BT, BT), acc)
                     xnb_f = T.alloc_fragment((BT, K), dtype)
                     xn_f = T.alloc_fragment((BT, K), acc)
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
@@ -451,10 +499,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.copy(a_s[st, :, :], a_f)
+                        gsc = LOG2E if packed_ew else 1.0   # packed_ew: gates in the log2 domain (exp2 = one MUFU op)
                         for i in T.Parallel(BT):
-                            gi_f[i] = g_s[st, i]
+                            gi_f[i] = g_s[st, i] * gsc
                         for j in T.Parallel(BT):
-                            gj_f[j] = g_s[st, j]
+                            gj_f[j] = g_s[st, j] * gsc
                             bj_f[j] = b_s[st, j]
                         mark(c, "p.qk_issued")
                         T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
@@ -462,12 +511,25 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         T.wait_wgmma(0)
                         mark(c, "p.qk_done")
                         # branch-free element-wise part (Select evaluates both sides; exp(-inf) = 0 above the diagonal)
-                        for i, j in T.Parallel(BT, BT):
-                            gam = T.exp(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                            ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
-                            ag_f[i, j] = T.cast(ab * gam, dtype)
-                            ab_f[i, j] = T.cast(ab, dtype)
-                            pgb_f[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                        if packed_ew:
+                            # fp32 results first, then packed (two-element) conversions: the scalar f32 -> bf16
+                            # conversion is what this pass spends most of its time on
+                            for i, j in T.Parallel(BT, BT):
+                                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                                ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
+                                ag32_f[i, j] = ab * gam
+                                ab32_f[i, j] = ab
+                                p_f[i, j] = p_f[i, j] * gam * scale
+                            T.copy(ab32_f, ab_f)
+                            T.copy(ag32_f, ag_f)
+                            T.copy(p_f, pgb_f)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                gam = T.exp(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                                ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
+                                ag_f[i, j] = T.cast(ab * gam, dtype)
+                                ab_f[i, j] = T.cast(ab, dtype)
+                                pgb_f[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
                         mark(c, "p.ew_done")
                         # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
                         T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
@@ -503,10 +565,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
-                            for t in T.Parallel(BT):
-                                tt = T.cast(T.min(t0 + t, eos - 1), "int64")
-                                g_s[st, t] = g[0, tt, i_hv]
-                                b_s[st, t] = T.if_then_else(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                             mark(c, "l.va_issued")
                             if early_release:
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
@@ -528,6 +586,21 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                     o[0, T.cast(t0 + i, "int64"), i_hv, v0 + j] = o_s[pb, i, j]
                             T.barrier_arrive(o_empty[pb])
                             mark(c, "w.stored")
+                    elif tx < 352:
+                        # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
+                        # minimum); rows past the sequence end get g[eos - 1] and beta = 0
+                        for c in T.serial(NT):
+                            st = c % NS
+                            t0 = bos + c * BT
+                            if early_release:
+                                T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
+                            else:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            for t in T.Parallel(BT):
+                                tt = T.cast(T.min(t0 + t, eos - 1), "int64")
+                                g_s[st, t] = g[0, tt, i_hv]
+                                b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
+                            T.barrier_arrive(full[st])
 
     return chunk_fwd_kernel
 
@@ -560,27 +633,35 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
 
 
 def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-                       chunk_size=64, overlap=None, early_release=None):
+                       chunk_size=64, **flags):
     """Development tool: `chunk_fwd` with the per-role timeline compiled in (not part of the public API).
 
-    Same arguments and results as `chunk_fwd` (overlap / early_release default to the module's `OVERLAP` /
-    `EARLY_RELEASE`), plus ``timeline``: int64 ``[PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)]`` on q's device,
-    zero-filled, where CTA ``b < PROF_CTAS`` (grid index: sequence-major, then value head, then V slice) wrote
-    the SM cycle counter (%clock64) of each `PROF_EVENTS` event of its chunks ``c < PROF_CHUNKS``; row 0 also
-    holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's start and end, and NT). One
-    designated thread per role records, so the cost is a predicate per event elsewhere; the profiled kernel
-    is a separate compile (`profile=True` in the builder), the plain kernel is untouched.
-    bench/profile_fwd.py turns the timeline into per-role tables.
+    Same arguments and results as `chunk_fwd`, plus ``timeline``: int64 ``[PROF_CTAS, PROF_CHUNKS,
+    len(PROF_EVENTS)]`` on q's device, zero-filled, where CTA ``b < PROF_CTAS`` (grid index: sequence-major, then
+    value head, then V slice) wrote the SM cycle counter (%clock64) of each `PROF_EVENTS` event of its chunks
+    ``c < PROF_CHUNKS``; row 0 also holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's
+    start and end, and NT). One designated thread per role records, so the cost is a predicate per event
+    elsewhere; the profiled kernel is a separate compile (`profile=True` in the builder), the plain kernel is
+    untouched. ``flags`` are builder variant switches (overlap, early_release, packed_ew, stsm_o; default: the
+    launcher's). bench/profile_fwd.py turns the timeline into per-role tables.
     """
-    overlap = OVERLAP if overlap is None else bool(overlap)
-    early_release = EARLY_RELEASE if early_release is None else bool(early_release)
     return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                      state_v_first=state_v_first, chunk_size=chunk_size, variant=(overlap, early_release))
+                      state_v_first=state_v_first, chunk_size=chunk_size, variant={**flags, "profile": True})
+
+
+def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
+                      chunk_size=64, **flags):
+    """Development tool: `chunk_fwd` built with other builder switches (overlap, early_release, packed_ew,
+    stsm_o), for A/B timing in bench/fwd_variants.py. Returns (o, final_state)."""
+    o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                          state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))
+    return o, ht
 
 
 def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
                variant):
-    """`chunk_fwd`'s body; variant None = the launcher's kernel, (overlap, early_release) = the profiled one."""
+    """`chunk_fwd`'s body; variant None = the launcher's kernel, else a dict of builder switches (profile=True adds
+    the timeline output)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -593,7 +674,7 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
     o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
     prof = None
-    if variant is not None:
+    if variant is not None and variant.get("profile"):
         prof = torch.zeros((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), dtype=torch.int64, device=dev)
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
@@ -607,8 +688,11 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
                A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
-    if variant is None:
+    if not variant:
         _build_chunk_fwd(*args)(*tensors)
     else:
-        _build_chunk_fwd(*args[:-2], *variant, True)(*tensors, prof)
+        # args ends with (overlap, early_release): the switches are keywords from there on
+        flags = {"overlap": args[-2], "early_release": args[-1], **variant}
+        kernel = _build_chunk_fwd(*args[:-2], **flags)
+        kernel(*tensors, prof) if flags.get("profile") else kernel(*tensors)
     return o, ht, prof

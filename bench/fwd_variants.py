@@ -1,0 +1,104 @@
+"""A/B timing of fused-forward builder variants (development tool, NOTES-gpu.md).
+
+    source .device/bootstrap.sh; python3 bench/fwd_variants.py [--tokens 8192,32768] [--variants NAME,...]
+    python3 bench/fwd_variants.py --compile-only      # CPU: fill TileLang's cache (TILELANG_CACHE_DIR) to carry
+
+Each variant is a set of `fused_fwd._build_chunk_fwd` switches (see VARIANTS); all run on the same TP1-like inputs
+(bf16, fp32 beta and h0, one sequence; see profile_fwd.make_inputs). Per variant it checks o and the final state
+against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
+(CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` on the same
+inputs. The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+# name -> builder switches; {} is the launcher's kernel
+VARIANTS = {
+    "default": {},
+    "scalar-cvt": {"packed_ew": False, "stsm_o": False},
+    "no-stsm": {"stsm_o": False},
+    "no-packed-ew": {"packed_ew": False},
+    "early-release": {"early_release": True},
+}
+H, HV, K, V = 16, 64, 128, 128
+SCALE = K ** -0.5
+
+
+def builder_flags(ff, name):
+    import torch
+
+    args = ff.builder_args(H, HV, K, V, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
+    return args, VARIANTS[name]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
+    ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+
+    import time
+
+    from flashdelta.kernels import fused_fwd as ff
+
+    if args.compile_only:
+        for name in names:
+            a, flags = builder_flags(ff, name)
+            t0 = time.time()
+            if flags:
+                ff._build_chunk_fwd(*a[:-2], **{"overlap": a[-2], "early_release": a[-1], **flags})
+            else:
+                ff._build_chunk_fwd(*a)
+            print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
+        return
+
+    import torch
+
+    from profile_fwd import cuda_time, make_inputs
+
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        q, k, v, gc, beta, A, h0, cu = make_inputs(T, H, HV)
+        NT = (T + 63) // 64
+        o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, scale=SCALE)
+        if args.prepare:
+            from flashdelta.kernels import prepare
+
+            g = torch.zeros_like(gc)
+            prepare.prepare_fwd(k, g, beta, cu)
+            ms = cuda_time(lambda: prepare.prepare_fwd(k, g, beta, cu), args.reps)
+            rows.append((T, "prepare_fwd", ms, float("nan"), 0.0, 0.0))
+        for name in names:
+            a, flags = builder_flags(ff, name)
+            if flags:
+                kernel = ff._build_chunk_fwd(*a[:-2], **{"overlap": a[-2], "early_release": a[-1], **flags})
+            else:
+                kernel = ff._build_chunk_fwd(*a)
+            o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
+            kernel(q, k, v, gc, beta, A, h0, cu, o, ht)
+            torch.cuda.synchronize()
+            d_o = (o.float() - o_ref.float()).abs().max().item()
+            d_h = (ht - ht_ref).abs().max().item()
+            ms = cuda_time(lambda: kernel(q, k, v, gc, beta, A, h0, cu, o, ht), args.reps)
+            rows.append((T, name, ms, ms * 1e3 / NT, d_o, d_h))
+            print(f"T={T} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}",
+                  flush=True)
+    print(f"\n{torch.cuda.get_device_name()} | H={H} HV={HV} K=V={K} bf16, {HV * V // ff.BLOCK_V} CTAs, one sequence")
+    print(f"{'T':>6} {'variant':<16} {'ms':>8} {'us/chunk':>9} {'max|do|':>9} {'max|dht|':>9}")
+    for T, name, ms, us, d_o, d_h in rows:
+        print(f"{T:>6} {name:<16} {ms:>8.4f} {us:>9.3f} {d_o:>9.3g} {d_h:>9.3g}")
+
+
+if __name__ == "__main__":
+    main()

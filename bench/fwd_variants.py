@@ -6,8 +6,8 @@
 Each variant is a set of `fused_fwd._build_chunk_fwd` switches (see VARIANTS); all run on the same TP1-like inputs
 (bf16, fp32 beta and h0, one sequence; see profile_fwd.make_inputs). Per variant it checks o and the final state
 against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
-(CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` on the same
-inputs. The table is printed last.
+(CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
+(PREPARE_VARIANTS; max|do| is then max |A - A_torch|). The table is printed last.
 """
 from __future__ import annotations
 
@@ -22,10 +22,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 # name -> builder switches; {} is the launcher's kernel
 VARIANTS = {
     "default": {},
-    "scalar-cvt": {"packed_ew": False, "stsm_o": False},
-    "no-stsm": {"stsm_o": False},
-    "no-packed-ew": {"packed_ew": False},
-    "early-release": {"early_release": True},
+    "no-early-release": {"early_release": False},
+}
+# name -> prepare_fwd builder (min_blocks, skip); skip > 0 leaves out inverse levels (timing only, A is wrong)
+PREPARE_VARIANTS = {
+    "prepare": (4, 0),
+    "prepare-mb5": (5, 0),
+    "prepare-mb2": (2, 0),
+    "prepare-skip-l2": (4, 1),
+    "prepare-skip-l12": (4, 2),
+    "prepare-kkt-only": (4, 3),
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5
@@ -52,7 +58,16 @@ def main():
 
     from flashdelta.kernels import fused_fwd as ff
 
+    from flashdelta.kernels import prepare
+
+    import torch as _torch
+
+    pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)[:6]
     if args.compile_only:
+        if args.prepare:
+            for name, (mb, skip) in PREPARE_VARIANTS.items():
+                prepare._build_prepare_fwd(*pargs, mb, skip)
+                print(f"built {name}", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
             t0 = time.time()
@@ -73,12 +88,16 @@ def main():
         NT = (T + 63) // 64
         o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, scale=SCALE)
         if args.prepare:
-            from flashdelta.kernels import prepare
-
             g = torch.zeros_like(gc)
-            prepare.prepare_fwd(k, g, beta, cu)
-            ms = cuda_time(lambda: prepare.prepare_fwd(k, g, beta, cu), args.reps)
-            rows.append((T, "prepare_fwd", ms, float("nan"), 0.0, 0.0))
+            gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
+            for name, (mb, skip) in PREPARE_VARIANTS.items():
+                kernel = prepare._build_prepare_fwd(*pargs, mb, skip)
+                kernel(k, g, beta, cu, gc_out, A_out)
+                torch.cuda.synchronize()
+                d_a = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding-level
+                ms = cuda_time(lambda: kernel(k, g, beta, cu, gc_out, A_out), args.reps)
+                rows.append((T, name, ms, ms * 1e3 / NT, d_a, 0.0))
+                print(f"T={T} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
             if flags:

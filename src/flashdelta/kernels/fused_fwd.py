@@ -50,7 +50,7 @@ BLOCK_V = 64
 OVERLAP = True          # software-pipelined state warpgroup (False: the plain per-chunk order, kept for A/B tests)
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
-EARLY_RELEASE = False
+EARLY_RELEASE = True
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -207,7 +207,7 @@ class _Marker(_NoMarker):
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, packed_ew: bool = True, stsm_o: bool = True):
+                     profile: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
     profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
@@ -258,12 +258,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
-        if stsm_o:
-            # packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread instead of 32 + 32 scalar stores
-            T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
-        else:
-            for i, j in T.Parallel(BV, BT):
-                o_s[c % 2, j, i] = T.cast(o_f[i, j], dtype)
+        # packed conversion + stmatrix.trans (16 cvt and 4 stmatrix per thread, not 32 + 32 scalar transposed stores)
+        T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
 
@@ -445,12 +441,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
-                            if stsm_o:
-                                T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)),
-                                              BV + 8, tx)
-                            else:
-                                for i, j in T.Parallel(BV, BT):
-                                    o_s[pb, j, i] = T.cast(o_f[i, j], dtype)
+                            T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)), BV + 8,
+                                          tx)
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")
                     if store_final_state:
@@ -493,59 +485,53 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             for i, j in T.Parallel(BT, BV):
                                 if i >= ln:
                                     v_s[st, i, j] = T.cast(0, dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                if i >= ln:
+                                    a_s[st, i, j] = T.cast(0, dtype)
                             T.fence_proxy_async()
                             T.sync_threads(1, 128)
                         mark(c, "p.full")
                         # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.copy(a_s[st, :, :], a_f)
-                        gsc = LOG2E if packed_ew else 1.0   # packed_ew: gates in the log2 domain (exp2 = one MUFU op)
+                        # gates in the log2 domain: each exp is one ex2
                         for i in T.Parallel(BT):
-                            gi_f[i] = g_s[st, i] * gsc
+                            gi_f[i] = g_s[st, i] * LOG2E
+                            ei_f[i] = -T.exp2(gi_f[i])
                         for j in T.Parallel(BT):
-                            gj_f[j] = g_s[st, j] * gsc
+                            gj_f[j] = g_s[st, j] * LOG2E
                             bj_f[j] = b_s[st, j]
                         mark(c, "p.qk_issued")
                         T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
                         mark(c, "p.pout")
                         T.wait_wgmma(0)
                         mark(c, "p.qk_done")
-                        # branch-free element-wise part (Select evaluates both sides; exp(-inf) = 0 above the diagonal)
-                        if packed_ew:
-                            # fp32 results first, then packed (two-element) conversions: the scalar f32 -> bf16
-                            # conversion is what this pass spends most of its time on
-                            for i, j in T.Parallel(BT, BT):
-                                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                                ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
-                                ag32_f[i, j] = ab * gam
-                                ab32_f[i, j] = ab
-                                p_f[i, j] = p_f[i, j] * gam * scale
-                            T.copy(ab32_f, ab_f)
-                            T.copy(ag32_f, ag_f)
-                            T.copy(p_f, pgb_f)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                gam = T.exp(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                                ab = T.Select((i >= j) & (i < ln), T.cast(a_f[i, j], acc) * bj_f[j], 0.0)
-                                ag_f[i, j] = T.cast(ab * gam, dtype)
-                                ab_f[i, j] = T.cast(ab, dtype)
-                                pgb_f[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                        # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above
+                        # the diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros
+                        # above the diagonal (prepare_fwd), its rows past the sequence end were zeroed above, and
+                        # beta = 0 on columns past the end. Xn's row factor -exp(G_i) goes into its A operand.
+                        for i, j in T.Parallel(BT, BT):
+                            gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                            ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                            ag32_f[i, j] = ab * gam
+                            ab32_f[i, j] = ab * ei_f[i]
+                            p_f[i, j] = p_f[i, j] * gam * scale
+                        T.copy(ab32_f, ab_f)
+                        T.copy(ag32_f, ag_f)
+                        T.copy(p_f, pgb_f)
                         mark(c, "p.ew_done")
                         # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
                         T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
                         T.copy(ag_f, a_s[st, :, :])
                         T.copy(pgb_f, pg_s[pb, :, :])
                         for t in T.Parallel(BT):
-                            r_s[pb, t] = T.Select(t < ln, T.exp(g_s[st, BT - 1] - g_s[st, t]), 0.0)
-                            dq_s[pb, t] = T.exp(g_s[st, t]) * scale
-                        el_s[pb, 0] = T.exp(g_s[st, BT - 1])
-                        for i in T.Parallel(BT):
-                            ei_f[i] = -T.exp(g_s[st, i])
+                            r_s[pb, t] = T.Select(t < ln, T.exp2((g_s[st, BT - 1] - g_s[st, t]) * LOG2E), 0.0)
+                            dq_s[pb, t] = T.exp2(g_s[st, t] * LOG2E) * scale
+                        el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
                         mark(c, "p.stored")
                         T.wait_wgmma(0)
                         mark(c, "p.xn_done")
-                        for i, j in T.Parallel(BT, K):
-                            xnb_f[i, j] = T.cast(ei_f[i] * xn_f[i, j], dtype)
+                        T.copy(xn_f, xnb_f)
                         T.copy(xnb_f, xn_s[pb, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(prep_done[pb])
@@ -642,8 +628,7 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
     ``c < PROF_CHUNKS``; row 0 also holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's
     start and end, and NT). One designated thread per role records, so the cost is a predicate per event
     elsewhere; the profiled kernel is a separate compile (`profile=True` in the builder), the plain kernel is
-    untouched. ``flags`` are builder variant switches (overlap, early_release, packed_ew, stsm_o; default: the
-    launcher's). bench/profile_fwd.py turns the timeline into per-role tables.
+    untouched. ``flags`` are builder variant switches (overlap, early_release; default: the launcher's). bench/profile_fwd.py turns the timeline into per-role tables.
     """
     return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                       state_v_first=state_v_first, chunk_size=chunk_size, variant={**flags, "profile": True})
@@ -651,8 +636,8 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
 
 def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                       chunk_size=64, **flags):
-    """Development tool: `chunk_fwd` built with other builder switches (overlap, early_release, packed_ew,
-    stsm_o), for A/B timing in bench/fwd_variants.py. Returns (o, final_state)."""
+    """Development tool: `chunk_fwd` built with other builder switches (overlap, early_release), for A/B timing
+    in bench/fwd_variants.py. Returns (o, final_state)."""
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))
     return o, ht

@@ -68,7 +68,9 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4):
+                       min_blocks: int = 4, skip: int = 0):
+    """skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
+    levels of the inverse (3: all of them), so A is wrong."""
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = HV // H                     # value heads per key head
@@ -152,83 +154,86 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             g_cumsum[0, t0 + i, i_h * G + j] = g_shared[i, j]
 
                     for j in T.serial(G):
-                        # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
-                        if tid < 4 * B16:
-                            blk = tid // B16
-                            col = tid % B16
-                            for r in T.unroll(B16):
-                                x_local[r] = 0
-                                for m in T.unroll(r):
-                                    x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
-                                x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
-                                    beta_shared[blk * B16 + r, j] * x_local[r]
-                            off = (blk % 2) * B16
-                            if blk < 2:
+                        if skip < 3:
+                            # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
+                            if tid < 4 * B16:
+                                blk = tid // B16
+                                col = tid % B16
                                 for r in T.unroll(B16):
-                                    d1_hi[off + r, off + col] = _hi(x_local[r])
-                                    d1_lo[off + r, off + col] = _lo(x_local[r])
-                                if blk == 1:
-                                    # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                    x_local[r] = 0
+                                    for m in T.unroll(r):
+                                        x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
+                                    x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
+                                        beta_shared[blk * B16 + r, j] * x_local[r]
+                                off = (blk % 2) * B16
+                                if blk < 2:
                                     for r in T.unroll(B16):
-                                        d1_hi[r, B16 + col] = 0
-                                        d1_lo[r, B16 + col] = 0
-                            else:
-                                for r in T.unroll(B16):
-                                    d2_hi[off + r, off + col] = _hi(x_local[r])
-                                    d2_lo[off + r, off + col] = _lo(x_local[r])
-                            if blk % 2 == 0:
-                                for r in T.unroll(B16):
-                                    de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
-                                    de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
-                            else:
-                                for r in T.unroll(B16):
-                                    do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
-                                    do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
-
-                        # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
-                        # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
-                        # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
-                        T.gemm(k1_hi, de_hi, y1_frag, clear_accum=True)
-                        T.gemm(k1_hi, de_lo, y1_frag)
-                        T.gemm(k1_lo, de_hi, y1_frag)
-                        for i, c in T.Parallel(B32, B32):
-                            if i // B16 == c // B16:
-                                # Y_0 | Y_1 side by side, in place of D_0 | D_2
-                                y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
-                                de_hi[i % B16, c] = _hi(y_val)
-                                de_lo[i % B16, c] = _lo(y_val)
-                        T.gemm(do_hi, de_hi, x1_frag, clear_accum=True)
-                        T.gemm(do_hi, de_lo, x1_frag)
-                        T.gemm(do_lo, de_hi, x1_frag)
-                        for i, c in T.Parallel(B32, B32):
-                            if i // B16 == c // B16:
-                                if i < B16:
-                                    d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
-                                    d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
+                                        d1_hi[off + r, off + col] = _hi(x_local[r])
+                                        d1_lo[off + r, off + col] = _lo(x_local[r])
+                                    if blk == 1:
+                                        # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                        for r in T.unroll(B16):
+                                            d1_hi[r, B16 + col] = 0
+                                            d1_lo[r, B16 + col] = 0
                                 else:
-                                    d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
-                                    d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
+                                    for r in T.unroll(B16):
+                                        d2_hi[off + r, off + col] = _hi(x_local[r])
+                                        d2_lo[off + r, off + col] = _lo(x_local[r])
+                                if blk % 2 == 0:
+                                    for r in T.unroll(B16):
+                                        de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
+                                        de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
+                                else:
+                                    for r in T.unroll(B16):
+                                        do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
+                                        do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
 
-                        # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
-                        # [32, 32] @ [32, 32] -> [32, 32], three times each
-                        T.gemm(c_hi, d1_hi, y_frag, clear_accum=True)
-                        T.gemm(c_hi, d1_lo, y_frag)
-                        T.gemm(c_lo, d1_hi, y_frag)
-                        for i, c in T.Parallel(B32, B32):
-                            a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
-                            a_shared[i, B32 + c] = 0
-                            a_shared[B32 + i, B32 + c] = T.cast(
-                                T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
-                        for i, c in T.Parallel(B32, B32):
-                            # diag(beta) C D1^{-1}, in place of D1^{-1}
-                            y_val = y_frag[i, c] * beta_shared[B32 + i, j]
-                            d1_hi[i, c] = _hi(y_val)
-                            d1_lo[i, c] = _lo(y_val)
-                        T.gemm(d2_hi, d1_hi, z_frag, clear_accum=True)
-                        T.gemm(d2_hi, d1_lo, z_frag)
-                        T.gemm(d2_lo, d1_hi, z_frag)
-                        for i, c in T.Parallel(B32, B32):
-                            a_shared[B32 + i, c] = -z_frag[i, c]
+                        if skip < 2:
+                            # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
+                            # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
+                            # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
+                            T.gemm(k1_hi, de_hi, y1_frag, clear_accum=True)
+                            T.gemm(k1_hi, de_lo, y1_frag)
+                            T.gemm(k1_lo, de_hi, y1_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                if i // B16 == c // B16:
+                                    # Y_0 | Y_1 side by side, in place of D_0 | D_2
+                                    y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
+                                    de_hi[i % B16, c] = _hi(y_val)
+                                    de_lo[i % B16, c] = _lo(y_val)
+                            T.gemm(do_hi, de_hi, x1_frag, clear_accum=True)
+                            T.gemm(do_hi, de_lo, x1_frag)
+                            T.gemm(do_lo, de_hi, x1_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                if i // B16 == c // B16:
+                                    if i < B16:
+                                        d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
+                                        d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
+                                    else:
+                                        d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
+                                        d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
+
+                        if skip < 1:
+                            # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
+                            # [32, 32] @ [32, 32] -> [32, 32], three times each
+                            T.gemm(c_hi, d1_hi, y_frag, clear_accum=True)
+                            T.gemm(c_hi, d1_lo, y_frag)
+                            T.gemm(c_lo, d1_hi, y_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
+                                a_shared[i, B32 + c] = 0
+                                a_shared[B32 + i, B32 + c] = T.cast(
+                                    T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
+                            for i, c in T.Parallel(B32, B32):
+                                # diag(beta) C D1^{-1}, in place of D1^{-1}
+                                y_val = y_frag[i, c] * beta_shared[B32 + i, j]
+                                d1_hi[i, c] = _hi(y_val)
+                                d1_lo[i, c] = _lo(y_val)
+                            T.gemm(d2_hi, d1_hi, z_frag, clear_accum=True)
+                            T.gemm(d2_hi, d1_lo, z_frag)
+                            T.gemm(d2_lo, d1_hi, z_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[B32 + i, c] = -z_frag[i, c]
                         for i, c in T.Parallel(BT, BT):
                             if t0 + i < eos:
                                 A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]

@@ -50,9 +50,7 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 def _l2norm(x: Tensor, kset: dispatch.KernelSet):
     """Normalised x (and rstd). Kernels take it in x's dtype (their GEMM operand precision); the portable
     path keeps it in its float32/float64 compute precision."""
-    if kset.name == "torch":
-        x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return l2norm_fwd(x)
+    return kset.l2norm_fwd(x)
 
 
 _warned: set = set()

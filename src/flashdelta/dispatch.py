@@ -31,6 +31,7 @@ class UnsupportedError(ValueError):
 class KernelSet(NamedTuple):
     """The stage launchers of one backend (see docs/stages.md); ``None`` where the backend lacks one."""
     name: str
+    l2norm_fwd: Callable                # q/k normalisation (use_qk_l2norm_in_kernel): x -> (y, rstd)
     prepare_fwd: Optional[Callable]
     chunk_fwd: Optional[Callable]
     state_recompute: Optional[Callable]
@@ -59,16 +60,16 @@ class KernelSet(NamedTuple):
 def _torch_set() -> KernelSet:
     from . import portable  # noqa: PLC0415
 
-    return KernelSet("torch", portable.prepare_fwd, portable.chunk_fwd, portable.state_recompute,
-                     portable.chunk_bwd, portable.group_sum, portable.prepare_bwd, None,
+    return KernelSet("torch", portable.l2norm_fwd_compute, portable.prepare_fwd, portable.chunk_fwd,
+                     portable.state_recompute, portable.chunk_bwd, portable.group_sum, portable.prepare_bwd, None,
                      (torch.bfloat16, torch.float16, torch.float32, torch.float64))
 
 
 @functools.lru_cache(maxsize=None)
 def _sm90_set() -> KernelSet:
-    from .kernels import SM90_HEAD_DIMS, chunk_fwd, prepare_fwd  # noqa: PLC0415
+    from .kernels import SM90_HEAD_DIMS, chunk_fwd, l2norm_fwd, prepare_fwd  # noqa: PLC0415
 
-    return KernelSet("sm90", prepare_fwd, chunk_fwd, None, None, None, None, SM90_HEAD_DIMS,
+    return KernelSet("sm90", l2norm_fwd, prepare_fwd, chunk_fwd, None, None, None, None, SM90_HEAD_DIMS,
                      (torch.bfloat16, torch.float16))
 
 

@@ -12,6 +12,7 @@ import torch
 
 TOLS = {
     "o": 1e-2, "ht": 1e-2, "h": 1e-2, "A": 1e-2, "g_cumsum": 1e-5,
+    "qk_l2norm": 1e-2, "rstd": 1e-5,
     "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dh0": 1e-2,
     "dg": 2e-2, "dbeta": 2e-2,
 }

@@ -427,6 +427,11 @@ def l2norm_fwd(x):
     return (xf * rstd).to(x.dtype), rstd
 
 
+def l2norm_fwd_compute(x):
+    """`l2norm_fwd` in the portable path's compute precision: 16-bit inputs are normalised to float32."""
+    return l2norm_fwd(x.to(torch.promote_types(x.dtype, torch.float32)))
+
+
 def l2norm_bwd(y, rstd, dy):
     """``dx = (dy - (dy . y) y) * rstd``, in dy.dtype."""
     acc = rstd.dtype

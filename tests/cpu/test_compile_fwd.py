@@ -37,8 +37,8 @@ def test_warmup_builds_the_launcher_variants():
     from flashdelta.kernels.warmup import variants
 
     todo = variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,))
-    assert [label.split()[0] for label, _, _ in todo] == ["prepare_fwd", "chunk_fwd"]
-    assert todo[1][2] == VARIANTS["bf16-gva2-h0"]  # the same cache key as a real call
+    assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "chunk_fwd"]
+    assert todo[2][2] == VARIANTS["bf16-gva2-h0"]  # the same cache key as a real call
     seconds = flashdelta.warmup([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
                                 progress=False)
     assert seconds >= 0
@@ -57,3 +57,12 @@ def test_profiled_variant_reads_timers():
     assert src.count("__syncthreads()") == 1                     # still no block-wide barrier in the roles
     plain = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert "fd_prof" not in plain and "clock64" not in plain
+
+
+@pytest.mark.parametrize("K,dtype", [(128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16)])
+def test_l2norm_compiles(K, dtype):
+    """The q/k normalisation kernel: 16-byte vector loads/stores, a 64-bit row index, a cross-thread row sum."""
+    from flashdelta.kernels import l2norm
+
+    src = l2norm._build_l2norm_fwd(*l2norm.builder_args(K, dtype)).get_kernel_source()
+    assert "uint4" in src and "int64_t" in src and "AllReduce" in src and "rsqrtf" in src

@@ -136,3 +136,40 @@ def test_chunk_fwd_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)
+
+
+def test_offsets_past_2_31_elements():
+    """A sequence whose o rows start at element 2^31 (o, v: [1, T, 64, 128]): the 64-bit offsets of the prepare
+    and fused kernels. Its outputs from the big launch must equal, bit for bit, a launch on that sequence alone."""
+    from flashdelta.kernels import prepare
+
+    H, HV, K, V = 16, 64, 128, 128
+    T0, T1 = 2 ** 31 // (HV * V), 3000          # sequence 1 starts exactly at o element 2^31
+    T = T0 + T1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).bfloat16()
+    v = randn(1, T, HV, V).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(1, T, HV)) / 16
+    beta = torch.sigmoid(randn(1, T, HV))
+    h0 = randn(2, HV, K, V)
+    cu = torch.tensor([0, T0, T], dtype=torch.int32, device="cuda")
+    assert v.numel() > 2 ** 31 and T0 * HV * V == 2 ** 31
+
+    def run(q, k, v, g, beta, h0, cu):
+        g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+        o, ht = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=K ** -0.5)
+        return g_cumsum, A, o, ht
+
+    gc_big, A_big, o_big, ht_big = run(q, k, v, g, beta, h0, cu)
+    sl = slice(T0, T)
+    cu1 = torch.tensor([0, T1], dtype=torch.int32, device="cuda")
+    gc_1, A_1, o_1, ht_1 = run(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(),
+                               g[:, sl].contiguous(), beta[:, sl].contiguous(), h0[1:].contiguous(), cu1)
+    assert torch.equal(gc_big[:, sl], gc_1) and torch.equal(A_big[:, sl], A_1)
+    assert torch.equal(o_big[:, sl], o_1) and torch.equal(ht_big[1:], ht_1)
+    assert torch.isfinite(o_big[:, :T0]).all()

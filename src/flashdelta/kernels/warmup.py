@@ -12,16 +12,19 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import fused_fwd, prepare
+from . import fused_fwd, l2norm, prepare
 
 
 def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torch.bfloat16,
              beta_dtype=torch.float32, h0_dtype=torch.float32, scale: Optional[float] = None,
-             initial_state: tuple = (False, True), state_v_first: tuple = (False,)) -> list:
-    """(label, builder, args) for every kernel the forward of these head configs launches."""
+             initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True) -> list:
+    """(label, builder, args) for every kernel the forward of these head configs launches (with qk_l2norm, the
+    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too)."""
     K, V = head_dim
     scale = K ** -0.5 if scale is None else float(scale)
     out = []
+    if qk_l2norm:
+        out.append((f"l2norm_fwd K={K}", l2norm._build_l2norm_fwd, l2norm.builder_args(K, dtype)))
     for H, HV in heads:
         out.append((f"prepare_fwd H={H} HV={HV} K={K}", prepare._build_prepare_fwd,
                     prepare.builder_args(H, HV, K, dtype, beta_dtype)))

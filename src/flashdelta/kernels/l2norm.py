@@ -1,0 +1,77 @@
+"""Stage `l2norm_fwd`: per-row L2 normalisation of q or k in one memory-bound pass (SM90 TileLang).
+
+    y = x * rsqrt(sum(x^2) + 1e-6)      over the last dim, fp32 math, y in x's dtype; rstd fp32 for the backward
+
+One launch per tensor, a CTA per 64 rows (row = one token of one head); the row index is 64-bit so tensors past
+2^31 elements work. Same contract as `portable.l2norm_fwd` (its float64 twin is `reference.chunked.l2norm`'s
+use in the reference; see docs/stages.md).
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import tilelang
+import tilelang.language as T
+import torch
+
+from . import _tl
+from ..portable import L2NORM_EPS
+
+F32 = "float32"
+BR = 64                    # rows per CTA
+THREADS = 128
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
+def _build_l2norm_fwd(K: int, dtype: str):
+    # problem config
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def l2norm_fwd_kernel(
+        x: T.Tensor((R, K), dtype),
+        y: T.Tensor((R, K), dtype),
+        rstd: T.Tensor((R,), F32),
+    ):
+        with T.Kernel(T.ceildiv(R, BR), threads=THREADS) as bx:
+            xf = T.alloc_fragment((BR, K), F32)
+            sq = T.alloc_fragment((BR, K), F32)
+            ss = T.alloc_fragment((BR,), F32)
+            r0 = T.cast(bx, "int64") * BR
+            for i, j in T.Parallel(BR, K):
+                xf[i, j] = T.if_then_else(r0 + i < R, T.cast(x[r0 + i, j], F32), 0.0)
+            for i, j in T.Parallel(BR, K):
+                sq[i, j] = xf[i, j] * xf[i, j]
+            T.reduce_sum(sq, ss, dim=1)
+            for i in T.Parallel(BR):
+                ss[i] = T.rsqrt(ss[i] + L2NORM_EPS)
+            for i, j in T.Parallel(BR, K):
+                if r0 + i < R:
+                    y[r0 + i, j] = T.cast(xf[i, j] * ss[i], dtype)
+            for i in T.Parallel(BR):
+                if r0 + i < R:
+                    rstd[r0 + i] = ss[i]
+
+    return l2norm_fwd_kernel
+
+
+def builder_args(K: int, dtype: torch.dtype) -> tuple:
+    """The `_build_l2norm_fwd` arguments (its compile-cache key); shared with `warmup`."""
+    return (K, _TORCH_TO_TL[dtype])
+
+
+def l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * rsqrt(sum(x^2) + 1e-6), rstd)`` over the last dim.
+
+    Args:
+        x: ``[..., K]`` bf16/fp16, any K the fragment layout accepts (the forward uses 64, 128, 256).
+
+    Returns:
+        y in x's dtype and shape, rstd fp32 of shape ``[..., 1]`` (as `portable.l2norm_fwd`).
+    """
+    assert x.dtype in _TORCH_TO_TL, f"l2norm_fwd takes bf16/fp16, got {x.dtype}"
+    K = x.shape[-1]
+    rows = x.reshape(-1, K).contiguous()
+    y = _tl.alloc(rows.shape, x.dtype, x.device)
+    rstd = _tl.alloc((rows.shape[0],), torch.float32, x.device)
+    if rows.shape[0] > 0:
+        _build_l2norm_fwd(*builder_args(K, x.dtype))(rows, y, rstd)
+    return y.view(x.shape), rstd.view(*x.shape[:-1], 1)

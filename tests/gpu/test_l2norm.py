@@ -1,0 +1,36 @@
+"""Stage `l2norm_fwd` on a Hopper GPU: `kernels.l2norm.l2norm_fwd` against its float64 twin
+(`portable.l2norm_fwd` on float64 input), with the same function at fp32 compute / 16-bit output as the baseline.
+Outputs are NaN-poisoned (conftest), so a row the kernel forgets fails the non-finite check."""
+import pytest
+import torch
+from _helpers import assert_close
+
+from flashdelta import portable
+from flashdelta.kernels.l2norm import l2norm_fwd
+
+# (rows shape [B, T, H], K, dtype, input scale): row counts that are and are not multiples of the 64-row tile
+CASES = [
+    ((1, 4096, 16), 128, torch.bfloat16, 1.0),
+    ((1, 1001, 3), 128, torch.bfloat16, 30.0),
+    ((2, 77, 4), 64, torch.float16, 0.01),
+    ((1, 300, 2), 256, torch.bfloat16, 1.0),
+    ((1, 1, 1), 128, torch.float16, 5.0),
+]
+
+
+@pytest.mark.parametrize("shape,K,dtype,mag", CASES, ids=[f"{s}-K{k}-{str(d)[6:]}" for s, k, d, _ in CASES])
+def test_l2norm_matches_reference(shape, K, dtype, mag):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(*shape, K, generator=gen, device="cuda") * mag).to(dtype)
+    x[..., 0, :] = 0 if shape[1] > 1 else x[..., 0, :]          # an all-zero row: rstd = 1e3, y = 0
+    y, rstd = l2norm_fwd(x)
+    y_ref, rstd_ref = portable.l2norm_fwd(x.double())
+    y_pt, _ = portable.l2norm_fwd(x)                             # fp32 math, rounded to x's dtype
+    assert y.dtype == dtype and rstd.dtype == torch.float32 and rstd.shape == (*shape, 1)
+    assert_close("qk_l2norm", y, y_ref, baseline=y_pt)
+    assert_close("rstd", rstd, rstd_ref)
+
+
+def test_l2norm_empty():
+    y, rstd = l2norm_fwd(torch.empty(1, 0, 4, 128, device="cuda", dtype=torch.bfloat16))
+    assert y.shape == (1, 0, 4, 128) and rstd.shape == (1, 0, 4, 1)

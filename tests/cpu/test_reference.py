@@ -313,3 +313,20 @@ def test_portable_dtypes():
     assert A16.dtype == torch.bfloat16
     h = portable.state_recompute(k, v, gcs, beta, A, h0, cu)
     assert h.dtype == torch.float32 and h.shape == (3, 2, 16, 16)
+
+
+def test_l2norm_twins():
+    """reference.chunked.l2norm_fwd is float64 and equals the recurrence's normalisation; the portable stage keeps
+    the input dtype (and normalises 16-bit input in fp32 via l2norm_fwd_compute, the torch backend's entry)."""
+    from flashdelta.reference import recurrent
+
+    x = torch.randn(3, 50, 2, 64, generator=torch.Generator().manual_seed(0)) * 4
+    x[0, 0] = 0
+    y, rstd = ref.l2norm_fwd(x.bfloat16())
+    assert y.dtype == torch.float64 and rstd.shape == (3, 50, 2, 1)
+    assert torch.equal(y, recurrent._l2norm(x.bfloat16().double()))
+    yb, rb = portable.l2norm_fwd(x.bfloat16())
+    assert yb.dtype == torch.bfloat16 and rb.dtype == torch.float32
+    yc, _ = portable.l2norm_fwd_compute(x.bfloat16())
+    assert yc.dtype == torch.float32
+    assert assert_close("qk_l2norm", yb, y) < 4e-3

@@ -11,7 +11,7 @@ import torch
 from .. import portable as _p
 
 __all__ = [
-    "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
+    "l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
     "chunked_fwd", "chunked_bwd",
 ]
 
@@ -20,6 +20,10 @@ _F64 = dict(compute_dtype=torch.float64, operand_dtype=None)
 
 def _up(x):
     return None if x is None else x.to(torch.float64)
+
+
+def l2norm_fwd(x):
+    return _p.l2norm_fwd(_up(x))
 
 
 def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64):

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
+    "share-prep": {"share_prep": True},
 }
 # name -> prepare_fwd builder (min_blocks, skip); skip > 0 leaves out inverse levels (timing only, A is wrong)
 PREPARE_VARIANTS = {

@@ -66,3 +66,13 @@ def test_l2norm_compiles(K, dtype):
 
     src = l2norm._build_l2norm_fwd(*l2norm.builder_args(K, dtype)).get_kernel_source()
     assert "uint4" in src and "int64_t" in src and "AllReduce" in src and "rsqrtf" in src
+
+
+def test_share_prep_variant_compiles():
+    """The experimental 2-CTA cluster variant: distributed shared memory (mapa, bulk copies into the peer,
+    remote mbarrier arrivals), cluster barriers at start and end; the launcher's kernel has none of it."""
+    src = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"], share_prep=True).get_kernel_source()
+    assert src.count("fd_bulk_to_peer(") >= 3 and "fd_arrive_peer(" in src and "fd_expect_tx(" in src
+    assert src.count("fd_cluster_sync();") == 2
+    plain = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert "mapa" not in plain and "fd_cluster_sync();" not in plain

@@ -173,3 +173,18 @@ def test_offsets_past_2_31_elements():
     assert torch.equal(gc_big[:, sl], gc_1) and torch.equal(A_big[:, sl], A_1)
     assert torch.equal(o_big[:, sl], o_1) and torch.equal(ht_big[1:], ht_1)
     assert torch.isfinite(o_big[:, :T0]).all()
+
+
+# share_prep (experimental 2-CTA cluster variant): the two V slices split the prep work; every value it computes
+# is formed by the same operations in the same order as the default kernel, so the outputs must be bit-identical.
+SHARE_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]   # ragged edges + padding, fp16/no h0/v-first, GVA4, V=256
+
+
+@pytest.mark.parametrize("case", SHARE_CASES, ids=str)
+def test_chunk_fwd_share_prep_matches_default(case):
+    x = _inputs(case)
+    o, ht = _run(x)
+    so, sh = fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
+                                         x["initial_state"], x["cu_seqlens"], scale=x["scale"],
+                                         state_v_first=x["state_v_first"], share_prep=True)
+    assert torch.equal(so, o) and torch.equal(sh, ht)

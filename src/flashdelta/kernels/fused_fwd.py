@@ -163,6 +163,36 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 }
 """
 _STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
+# share_prep (2-CTA cluster, see `_build_chunk_fwd`): distributed shared memory between the two CTAs of a cluster.
+# Addresses are this CTA's; `mapa` turns them into the peer's copy of the same variable.
+_CLUSTER_PRELUDE = r"""
+__device__ __forceinline__ unsigned fd_peer_addr(const void* p, unsigned peer) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  return r;
+}
+// one arrival on the peer CTA's mbarrier (release at cluster scope: this thread's prior accesses come first)
+__device__ __forceinline__ void fd_arrive_peer(void* bar, unsigned peer) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(fd_peer_addr(bar, peer))
+               : "memory");
+}
+// bytes the local mbarrier's current phase must also receive (from the peer's bulk copy) before it completes
+__device__ __forceinline__ void fd_expect_tx(void* bar, unsigned bytes) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(bytes) : "memory");
+}
+// bulk copy of `bytes` from this CTA's shared memory at src to the peer's copy of dst; completes as transaction
+// bytes on the peer's copy of bar
+__device__ __forceinline__ void fd_bulk_to_peer(void* dst, const void* src, unsigned bytes, void* bar,
+                                                unsigned peer) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(fd_peer_addr(dst, peer)), "r"(s), "r"(bytes), "r"(fd_peer_addr(bar, peer)) : "memory");
+}
+__device__ __forceinline__ void fd_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+"""
 LOG2E = 1.4426950408889634
 
 
@@ -207,8 +237,14 @@ class _Marker(_NoMarker):
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False):
+                     profile: bool = False, share_prep: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
+
+    share_prep=True (experimental, needs an even V / 64): the two V slices of a (sequence, value head) run as a
+    2-CTA cluster and split the state-independent prep work instead of both doing all of it. Rank 0 computes
+    P = Q K^T and sends Pg to its peer, rank 1 computes Xn and sends it to its peer (bulk copies into the
+    peer's shared memory, completing on the peer's prep_done barrier); both form Ag locally. Each state
+    warpgroup releases the xn/pg buffers to both preps (pout_empty counts the peer's arrival too).
 
     profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
@@ -220,6 +256,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     NS = NUM_STAGES
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
+    assert not share_prep or NV % 2 == 0, "share_prep pairs the V slices of a value head"
+    XN_BYTES, PG_BYTES = BT * K * 2, BT * BT * 2
 
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
@@ -251,10 +289,20 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
+    def release_peer(pout_empty, pb, tx, peer):
+        # share_prep: the peer's prep also writes this CTA's xn/pg buffer pb; one arrival once all 128 state
+        # threads are past the GEMMs that read it
+        if share_prep:
+            T.sync_threads(2, 128)
+            if tx == 0:
+                T.call_extern("handle", "fd_arrive_peer", T.address_of(pout_empty[pb]), peer)
+
+    @T.macro
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
+        release_peer(pout_empty, c % 2, tx, peer)
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
@@ -262,6 +310,54 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
+
+    @T.macro
+    def wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s):
+        # prep WG: chunk c's ring slot is loaded; rows past the sequence end (another sequence's or padding data)
+        # are zeroed in q, k, v and A
+        T.barrier_wait(full[st], (c // NS) % 2)
+        if ln < BT:
+            for i, j in T.Parallel(BT, K):
+                if i >= ln:
+                    q_s[st, i, j] = T.cast(0, dtype)
+                    k_s[st, i, j] = T.cast(0, dtype)
+            for i, j in T.Parallel(BT, BV):
+                if i >= ln:
+                    v_s[st, i, j] = T.cast(0, dtype)
+            for i, j in T.Parallel(BT, BT):
+                if i >= ln:
+                    a_s[st, i, j] = T.cast(0, dtype)
+            T.fence_proxy_async()
+            T.sync_threads(1, 128)
+
+    @T.macro
+    def load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f):
+        # gates in the log2 domain (each exp is one ex2): G of this thread's rows and columns, beta of its columns,
+        # -exp(G) of its rows
+        for i in T.Parallel(BT):
+            gi_f[i] = g_s[st, i] * LOG2E
+            ei_f[i] = -T.exp2(gi_f[i])
+        for j in T.Parallel(BT):
+            gj_f[j] = g_s[st, j] * LOG2E
+            bj_f[j] = b_s[st, j]
+
+    @T.macro
+    def row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s):
+        # R = exp(G_last - G_t) (0 past the end), scale * exp(G_t), exp(G_last)
+        for t in T.Parallel(BT):
+            r_s[pb, t] = T.Select(t < ln, T.exp2((g_s[st, BT - 1] - g_s[st, t]) * LOG2E), 0.0)
+            dq_s[pb, t] = T.exp2(g_s[st, t] * LOG2E) * scale
+        el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
+
+    @T.macro
+    def send_to_peer(buf, pb, nbytes, prep_done, peer, tx):
+        # share_prep: after this WG's generic stores to buf[pb], copy it into the peer's buf[pb]; the bytes land as
+        # transactions on the peer's prep_done[pb] (which its prep announced with expect_tx)
+        T.fence_proxy_async()
+        T.sync_threads(1, 128)
+        if tx == 128:
+            T.call_extern("handle", "fd_bulk_to_peer", T.address_of(buf[pb, 0, 0]), T.address_of(buf[pb, 0, 0]),
+                          nbytes, T.address_of(prep_done[pb]), peer)
 
     @T.prim_func
     def chunk_fwd_kernel(
@@ -277,12 +373,16 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=_PRELUDE + (_PROF_PRELUDE if profile else "")) as bx:
+        prelude = _PRELUDE + (_CLUSTER_PRELUDE if share_prep else "") + (_PROF_PRELUDE if profile else "")
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude,
+                      cluster_dims=2 if share_prep else None) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
             v0 = i_v * BV
+            rank = bx % 2                 # share_prep: rank in the 2-CTA cluster (consecutive CTAs pair up)
+            peer = 1 - rank
 
             # ---- shared memory: input ring, prep outputs, o staging ----
             q_s = T.alloc_shared((NS, BT, K), dtype)
@@ -302,12 +402,14 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
-            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases xn/pg/r/dq
+            pout_empty = T.alloc_barrier([128 + share_prep] * 2)  # state WG(s) release xn/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
             mark = marker(prof, bx, tx)
+            if share_prep:
+                T.call_extern("handle", "fd_cluster_sync")   # the peer's barriers are initialised
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -387,7 +489,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
                                 scale_state(s_f, el_s, pb1)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
@@ -398,7 +500,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(NT - 1, "s.tail")
-                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
                     else:
                         for c in T.serial(NT):
                             st = c % NS
@@ -438,6 +540,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.tail")
                             T.barrier_arrive(empty[st])
                             T.barrier_arrive(pout_empty[pb])
+                            release_peer(pout_empty, pb, tx, peer)
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
@@ -469,73 +572,110 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of xn_f
-                    for c in T.serial(NT):
-                        st = c % NS
-                        pb = c % 2
-                        t0 = bos + c * BT
-                        ln = T.min(eos - t0, BT)
-                        mark(c, "p.begin")
-                        T.barrier_wait(full[st], (c // NS) % 2)
-                        if ln < BT:
-                            # rows past the sequence end hold another sequence's (or padding) data
-                            for i, j in T.Parallel(BT, K):
-                                if i >= ln:
-                                    q_s[st, i, j] = T.cast(0, dtype)
-                                    k_s[st, i, j] = T.cast(0, dtype)
-                            for i, j in T.Parallel(BT, BV):
-                                if i >= ln:
-                                    v_s[st, i, j] = T.cast(0, dtype)
+                    if share_prep:
+                        if rank == 0:
+                            # P role: Q K^T -> Pg (sent to the peer) and Ag; receives Xn
+                            for c in T.serial(NT):
+                                st = c % NS
+                                pb = c % 2
+                                ln = T.min(eos - (bos + c * BT), BT)
+                                mark(c, "p.begin")
+                                wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
+                                mark(c, "p.full")
+                                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                                T.copy(a_s[st, :, :], a_f)
+                                load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
+                                T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+                                if tx == 128:
+                                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]), XN_BYTES)
+                                T.wait_wgmma(0)
+                                for i, j in T.Parallel(BT, BT):
+                                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                                    ag32_f[i, j] = T.cast(a_f[i, j], acc) * bj_f[j] * gam
+                                    p_f[i, j] = p_f[i, j] * gam * scale
+                                T.copy(ag32_f, ag_f)
+                                T.copy(p_f, pgb_f)
+                                T.copy(ag_f, a_s[st, :, :])
+                                T.copy(pgb_f, pg_s[pb, :, :])
+                                row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
+                                send_to_peer(pg_s, pb, PG_BYTES, prep_done, peer, tx)
+                                T.barrier_arrive(prep_done[pb])
+                                mark(c, "p.done")
+                        else:
+                            # X role: Xn (sent to the peer) and Ag; receives Pg
+                            for c in T.serial(NT):
+                                st = c % NS
+                                pb = c % 2
+                                ln = T.min(eos - (bos + c * BT), BT)
+                                mark(c, "p.begin")
+                                wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
+                                mark(c, "p.full")
+                                T.copy(a_s[st, :, :], a_f)
+                                load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
+                                T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+                                if tx == 128:
+                                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]), PG_BYTES)
+                                for i, j in T.Parallel(BT, BT):
+                                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                                    ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                                    ag32_f[i, j] = ab * gam
+                                    ab32_f[i, j] = ab * ei_f[i]
+                                T.copy(ab32_f, ab_f)
+                                T.copy(ag32_f, ag_f)
+                                T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+                                T.copy(ag_f, a_s[st, :, :])
+                                row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
+                                T.wait_wgmma(0)
+                                T.copy(xn_f, xnb_f)
+                                T.copy(xnb_f, xn_s[pb, :, :])
+                                send_to_peer(xn_s, pb, XN_BYTES, prep_done, peer, tx)
+                                T.barrier_arrive(prep_done[pb])
+                                mark(c, "p.done")
+                    else:
+                        for c in T.serial(NT):
+                            st = c % NS
+                            pb = c % 2
+                            t0 = bos + c * BT
+                            ln = T.min(eos - t0, BT)
+                            mark(c, "p.begin")
+                            wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
+                            mark(c, "p.full")
+                            # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
+                            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                            T.copy(a_s[st, :, :], a_f)
+                            load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
+                            mark(c, "p.qk_issued")
+                            T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+                            mark(c, "p.pout")
+                            T.wait_wgmma(0)
+                            mark(c, "p.qk_done")
+                            # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above
+                            # the diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros
+                            # above the diagonal (prepare_fwd), its rows past the sequence end were zeroed above, and
+                            # beta = 0 on columns past the end. Xn's row factor -exp(G_i) goes into its A operand.
                             for i, j in T.Parallel(BT, BT):
-                                if i >= ln:
-                                    a_s[st, i, j] = T.cast(0, dtype)
+                                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                                ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                                ag32_f[i, j] = ab * gam
+                                ab32_f[i, j] = ab * ei_f[i]
+                                p_f[i, j] = p_f[i, j] * gam * scale
+                            T.copy(ab32_f, ab_f)
+                            T.copy(ag32_f, ag_f)
+                            T.copy(p_f, pgb_f)
+                            mark(c, "p.ew_done")
+                            # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
+                            T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+                            T.copy(ag_f, a_s[st, :, :])
+                            T.copy(pgb_f, pg_s[pb, :, :])
+                            row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
+                            mark(c, "p.stored")
+                            T.wait_wgmma(0)
+                            mark(c, "p.xn_done")
+                            T.copy(xn_f, xnb_f)
+                            T.copy(xnb_f, xn_s[pb, :, :])
                             T.fence_proxy_async()
-                            T.sync_threads(1, 128)
-                        mark(c, "p.full")
-                        # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-                        T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                        T.copy(a_s[st, :, :], a_f)
-                        # gates in the log2 domain: each exp is one ex2
-                        for i in T.Parallel(BT):
-                            gi_f[i] = g_s[st, i] * LOG2E
-                            ei_f[i] = -T.exp2(gi_f[i])
-                        for j in T.Parallel(BT):
-                            gj_f[j] = g_s[st, j] * LOG2E
-                            bj_f[j] = b_s[st, j]
-                        mark(c, "p.qk_issued")
-                        T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
-                        mark(c, "p.pout")
-                        T.wait_wgmma(0)
-                        mark(c, "p.qk_done")
-                        # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above
-                        # the diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros
-                        # above the diagonal (prepare_fwd), its rows past the sequence end were zeroed above, and
-                        # beta = 0 on columns past the end. Xn's row factor -exp(G_i) goes into its A operand.
-                        for i, j in T.Parallel(BT, BT):
-                            gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                            ab = T.cast(a_f[i, j], acc) * bj_f[j]
-                            ag32_f[i, j] = ab * gam
-                            ab32_f[i, j] = ab * ei_f[i]
-                            p_f[i, j] = p_f[i, j] * gam * scale
-                        T.copy(ab32_f, ab_f)
-                        T.copy(ag32_f, ag_f)
-                        T.copy(p_f, pgb_f)
-                        mark(c, "p.ew_done")
-                        # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
-                        T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
-                        T.copy(ag_f, a_s[st, :, :])
-                        T.copy(pgb_f, pg_s[pb, :, :])
-                        for t in T.Parallel(BT):
-                            r_s[pb, t] = T.Select(t < ln, T.exp2((g_s[st, BT - 1] - g_s[st, t]) * LOG2E), 0.0)
-                            dq_s[pb, t] = T.exp2(g_s[st, t] * LOG2E) * scale
-                        el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
-                        mark(c, "p.stored")
-                        T.wait_wgmma(0)
-                        mark(c, "p.xn_done")
-                        T.copy(xn_f, xnb_f)
-                        T.copy(xnb_f, xn_s[pb, :, :])
-                        T.fence_proxy_async()
-                        T.barrier_arrive(prep_done[pb])
-                        mark(c, "p.done")
+                            T.barrier_arrive(prep_done[pb])
+                            mark(c, "p.done")
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -587,6 +727,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                             T.barrier_arrive(full[st])
+            if share_prep:
+                # no CTA leaves while its peer may still arrive on its barriers
+                T.call_extern("handle", "fd_cluster_sync")
 
     return chunk_fwd_kernel
 

@@ -359,6 +359,76 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             T.call_extern("handle", "fd_bulk_to_peer", T.address_of(buf[pb, 0, 0]), T.address_of(buf[pb, 0, 0]),
                           nbytes, T.address_of(prep_done[pb]), peer)
 
+    @T.macro
+    def prep_loop(do_p, do_x, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
+                  q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
+                  p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f):
+        # The prep warpgroup, one chunk ahead of the state warpgroup. do_p: P = Q K^T -> Pg; do_x: Xn. Without
+        # share_prep one warpgroup does both; with it, rank 0 does P and rank 1 does X, each sends its product to
+        # the peer and receives the other (both form Ag and the row scalars locally).
+        for c in T.serial(NT):
+            st = c % NS
+            pb = c % 2
+            ln = T.min(eos - (bos + c * BT), BT)
+            mark(c, "p.begin")
+            wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
+            mark(c, "p.full")
+            if do_p:
+                # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
+                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            T.copy(a_s[st, :, :], a_f)
+            load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
+            mark(c, "p.qk_issued")
+            T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+            mark(c, "p.pout")
+            if share_prep:
+                if tx == 128:   # the peer's product lands on prep_done[pb] as transaction bytes
+                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]),
+                                  XN_BYTES if do_p else PG_BYTES)
+            if do_p:
+                T.wait_wgmma(0)
+                mark(c, "p.qk_done")
+            # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above the
+            # diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros above the
+            # diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past the
+            # end. Xn's row factor -exp(G_i) goes into its A operand.
+            for i, j in T.Parallel(BT, BT):
+                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                ag32_f[i, j] = ab * gam
+                if do_x:
+                    ab32_f[i, j] = ab * ei_f[i]
+                if do_p:
+                    p_f[i, j] = p_f[i, j] * gam * scale
+            if do_x:
+                T.copy(ab32_f, ab_f)
+            T.copy(ag32_f, ag_f)
+            if do_p:
+                T.copy(p_f, pgb_f)
+            mark(c, "p.ew_done")
+            if do_x:
+                # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
+                T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+            T.copy(ag_f, a_s[st, :, :])
+            if do_p:
+                T.copy(pgb_f, pg_s[pb, :, :])
+            row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
+            mark(c, "p.stored")
+            if do_x:
+                T.wait_wgmma(0)
+                mark(c, "p.xn_done")
+                T.copy(xn_f, xnb_f)
+                T.copy(xnb_f, xn_s[pb, :, :])
+            if share_prep:
+                if do_p:
+                    send_to_peer(pg_s, pb, PG_BYTES, prep_done, peer, tx)
+                else:
+                    send_to_peer(xn_s, pb, XN_BYTES, prep_done, peer, tx)
+            else:
+                T.fence_proxy_async()
+            T.barrier_arrive(prep_done[pb])
+            mark(c, "p.done")
+
     @T.prim_func
     def chunk_fwd_kernel(
         q: T.Tensor((1, T_, H, K), dtype),
@@ -575,107 +645,18 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     if share_prep:
                         if rank == 0:
                             # P role: Q K^T -> Pg (sent to the peer) and Ag; receives Xn
-                            for c in T.serial(NT):
-                                st = c % NS
-                                pb = c % 2
-                                ln = T.min(eos - (bos + c * BT), BT)
-                                mark(c, "p.begin")
-                                wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
-                                mark(c, "p.full")
-                                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                                T.copy(a_s[st, :, :], a_f)
-                                load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
-                                T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
-                                if tx == 128:
-                                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]), XN_BYTES)
-                                T.wait_wgmma(0)
-                                for i, j in T.Parallel(BT, BT):
-                                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                                    ag32_f[i, j] = T.cast(a_f[i, j], acc) * bj_f[j] * gam
-                                    p_f[i, j] = p_f[i, j] * gam * scale
-                                T.copy(ag32_f, ag_f)
-                                T.copy(p_f, pgb_f)
-                                T.copy(ag_f, a_s[st, :, :])
-                                T.copy(pgb_f, pg_s[pb, :, :])
-                                row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
-                                send_to_peer(pg_s, pb, PG_BYTES, prep_done, peer, tx)
-                                T.barrier_arrive(prep_done[pb])
-                                mark(c, "p.done")
+                            prep_loop(True, False, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
+                                      q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
+                                      p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
                         else:
                             # X role: Xn (sent to the peer) and Ag; receives Pg
-                            for c in T.serial(NT):
-                                st = c % NS
-                                pb = c % 2
-                                ln = T.min(eos - (bos + c * BT), BT)
-                                mark(c, "p.begin")
-                                wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
-                                mark(c, "p.full")
-                                T.copy(a_s[st, :, :], a_f)
-                                load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
-                                T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
-                                if tx == 128:
-                                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]), PG_BYTES)
-                                for i, j in T.Parallel(BT, BT):
-                                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                                    ab = T.cast(a_f[i, j], acc) * bj_f[j]
-                                    ag32_f[i, j] = ab * gam
-                                    ab32_f[i, j] = ab * ei_f[i]
-                                T.copy(ab32_f, ab_f)
-                                T.copy(ag32_f, ag_f)
-                                T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
-                                T.copy(ag_f, a_s[st, :, :])
-                                row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
-                                T.wait_wgmma(0)
-                                T.copy(xn_f, xnb_f)
-                                T.copy(xnb_f, xn_s[pb, :, :])
-                                send_to_peer(xn_s, pb, XN_BYTES, prep_done, peer, tx)
-                                T.barrier_arrive(prep_done[pb])
-                                mark(c, "p.done")
+                            prep_loop(False, True, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
+                                      q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
+                                      p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
                     else:
-                        for c in T.serial(NT):
-                            st = c % NS
-                            pb = c % 2
-                            t0 = bos + c * BT
-                            ln = T.min(eos - t0, BT)
-                            mark(c, "p.begin")
-                            wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
-                            mark(c, "p.full")
-                            # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-                            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                            T.copy(a_s[st, :, :], a_f)
-                            load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
-                            mark(c, "p.qk_issued")
-                            T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
-                            mark(c, "p.pout")
-                            T.wait_wgmma(0)
-                            mark(c, "p.qk_done")
-                            # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above
-                            # the diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros
-                            # above the diagonal (prepare_fwd), its rows past the sequence end were zeroed above, and
-                            # beta = 0 on columns past the end. Xn's row factor -exp(G_i) goes into its A operand.
-                            for i, j in T.Parallel(BT, BT):
-                                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                                ab = T.cast(a_f[i, j], acc) * bj_f[j]
-                                ag32_f[i, j] = ab * gam
-                                ab32_f[i, j] = ab * ei_f[i]
-                                p_f[i, j] = p_f[i, j] * gam * scale
-                            T.copy(ab32_f, ab_f)
-                            T.copy(ag32_f, ag_f)
-                            T.copy(p_f, pgb_f)
-                            mark(c, "p.ew_done")
-                            # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
-                            T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
-                            T.copy(ag_f, a_s[st, :, :])
-                            T.copy(pgb_f, pg_s[pb, :, :])
-                            row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
-                            mark(c, "p.stored")
-                            T.wait_wgmma(0)
-                            mark(c, "p.xn_done")
-                            T.copy(xn_f, xnb_f)
-                            T.copy(xnb_f, xn_s[pb, :, :])
-                            T.fence_proxy_async()
-                            T.barrier_arrive(prep_done[pb])
-                            mark(c, "p.done")
+                        prep_loop(True, True, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
+                                  q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
+                                  p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)

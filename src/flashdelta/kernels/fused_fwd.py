@@ -15,19 +15,24 @@ The serial chain S0 -> Vd -> S1 is two register-A wgmma groups and one fp32->bf1
 round trip. Warp roles (384 threads):
 
 - WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's Vd GEMMs and the S -> bf16
-  conversion run under chunk c's tail), then O^T -> o_shared (transposed, rows padded) for the store warp.
+  conversion run under chunk c's tail), then O^T -> o_shared for the store warp (packed conversion and
+  stmatrix.trans; rows padded).
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Xn, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
   slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte
   stores.
 
-Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v rows past the end and
-masks A by select, so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
+Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
+(beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
 shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
 CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
 that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
 Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
+
+Experimental (builder `share_prep=True`, off in the launcher until measured on a GPU): the two V slices of a
+(sequence, value head) run as a 2-CTA cluster and split the prep warpgroup's work, exchanging Pg and Xn through
+distributed shared memory (see `_build_chunk_fwd`); `chunk_fwd_variant` runs it.
 
 Development tool: `chunk_fwd_profiled` runs a separately compiled variant (builder `profile=True`) in which one thread
 per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py prints the per-role timeline.

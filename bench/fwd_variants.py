@@ -47,7 +47,8 @@ def builder_flags(ff, name):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--tokens", default="8192,32768",
+                    help="comma-separated sequence mixes: T (one sequence) or LxN (N sequences of L, L % 64 == 0)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
@@ -84,8 +85,14 @@ def main():
     from profile_fwd import cuda_time, make_inputs
 
     rows = []
-    for T in (int(t) for t in args.tokens.split(",")):
+    for spec in args.tokens.split(","):
+        L, n = (int(x) for x in spec.split("x")) if "x" in spec else (int(spec), 1)
+        assert n == 1 or L % 64 == 0, "equal sequences must be whole chunks (A is built for one flat sequence)"
+        T = L * n
         q, k, v, gc, beta, A, h0, cu = make_inputs(T, H, HV)
+        if n > 1:   # chunks never cross the boundaries, so the flat sequence's g_cumsum and A serve all n
+            cu = torch.arange(n + 1, dtype=torch.int32, device=q.device) * L
+            h0 = h0.expand(n, *h0.shape[1:]).contiguous()
         NT = (T + 63) // 64
         o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, scale=SCALE)
         if args.prepare:
@@ -97,8 +104,8 @@ def main():
                 torch.cuda.synchronize()
                 d_a = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding-level
                 ms = cuda_time(lambda: kernel(k, g, beta, cu, gc_out, A_out), args.reps)
-                rows.append((T, name, ms, ms * 1e3 / NT, d_a, 0.0))
-                print(f"T={T} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
+                rows.append((spec, name, ms, ms * 1e3 / NT, d_a, 0.0))
+                print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
             if flags:
@@ -111,13 +118,14 @@ def main():
             d_o = (o.float() - o_ref.float()).abs().max().item()
             d_h = (ht - ht_ref).abs().max().item()
             ms = cuda_time(lambda: kernel(q, k, v, gc, beta, A, h0, cu, o, ht), args.reps)
-            rows.append((T, name, ms, ms * 1e3 / NT, d_o, d_h))
-            print(f"T={T} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}",
+            rows.append((spec, name, ms, ms * 1e3 / NT, d_o, d_h))
+            print(f"{spec} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}",
                   flush=True)
-    print(f"\n{torch.cuda.get_device_name()} | H={H} HV={HV} K=V={K} bf16, {HV * V // ff.BLOCK_V} CTAs, one sequence")
-    print(f"{'T':>6} {'variant':<16} {'ms':>8} {'us/chunk':>9} {'max|do|':>9} {'max|dht|':>9}")
-    for T, name, ms, us, d_o, d_h in rows:
-        print(f"{T:>6} {name:<16} {ms:>8.4f} {us:>9.3f} {d_o:>9.3g} {d_h:>9.3g}")
+    print(f"\n{torch.cuda.get_device_name()} | H={H} HV={HV} K=V={K} bf16, {HV * V // ff.BLOCK_V} CTAs per sequence; "
+          "us/chunk = ms / total chunks (per CTA only for one sequence)")
+    print(f"{'tokens':>9} {'variant':<16} {'ms':>8} {'us/chunk':>9} {'max|do|':>9} {'max|dht|':>9}")
+    for spec, name, ms, us, d_o, d_h in rows:
+        print(f"{spec:>9} {name:<16} {ms:>8.4f} {us:>9.3f} {d_o:>9.3g} {d_h:>9.3g}")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,13 @@ def test_prepare_bwd_compiles_sm90():
 def test_prepare_fwd_rejects_unsupported_head_dim():
     with pytest.raises(AssertionError):
         prepare._build_prepare_fwd.get_tir(4, 2, 96, 64, "bfloat16", "float32")
+
+
+def test_prepare_fwd_profiled_build():
+    """profile=True (bench/profile_prepare.py): timer stamps at every phase, one writable timeline output; the
+    launcher's build has none of it."""
+    args = FWD_VARIANTS[0]
+    src = prepare._build_prepare_fwd(*args, 4, 0, True).get_kernel_source()
+    assert "int64_t* __restrict__ prof" in src and "const int64_t* __restrict__ prof" not in src
+    assert src.count("fd_prof_stamp(prof,") == 9 and src.count("fd_prof_cal(prof,") == 2
+    assert "fd_prof" not in prepare._build_prepare_fwd(*args).get_kernel_source()

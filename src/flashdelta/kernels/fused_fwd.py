@@ -112,26 +112,7 @@ PROF_EVENTS = (
 )
 PROF_INDEX = {name: i for i, name in enumerate(PROF_EVENTS)}
 _PROF_ROLE_THREAD = {"s": 0, "p": 128, "l": 256, "w": 288, "m": 0}
-# Prepended to the kernel source (T.Kernel prelude) only when profiling: forceinline, so no call boundary sits
-# between wgmma instructions; "memory" clobbers keep shared/global accesses from moving across a timer read.
-_PROF_PRELUDE = r"""
-__device__ __forceinline__ void fd_prof_stamp(void* buf, int idx, bool on) {
-  if (on) {
-    long long t;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-  }
-}
-__device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
-  if (on) {
-    long long t, g;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-    static_cast<long long*>(buf)[idx + 1] = g;
-  }
-}
-"""
+_PROF_PRELUDE = _tl.PROF_PRELUDE
 
 
 # Always prepended: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as

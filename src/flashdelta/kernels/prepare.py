@@ -32,6 +32,14 @@ F32 = "float32"
 BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
+# profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
+# clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
+PROF_SLOTS = 64
+PROF_HEADS = 4
+HEAD_EVENTS = ("h.l0", "h.l1", "h.l2", "h.stored")
+PROF_EVENTS = ("m.clk0", "m.gt0", "m.clk1", "m.gt1", "m.t0", "found", "loaded", "kkt", "split", "cumsum") + \
+    HEAD_EVENTS + tuple(f"h{j}.{e[2:]}" for j in range(1, PROF_HEADS) for e in HEAD_EVENTS)
+PROF_INDEX = {name: i for i, name in enumerate(PROF_EVENTS)}
 
 
 def _hi(x):
@@ -68,9 +76,11 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4, skip: int = 0):
+                       min_blocks: int = 4, skip: int = 0, profile: bool = False):
     """skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
-    levels of the inverse (3: all of them), so A is wrong."""
+    levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
+    ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)
+    writes %clock64 at each `PROF_EVENTS` phase end (bench/profile_prepare.py reads it)."""
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = HV // H                     # value heads per key head
@@ -78,6 +88,21 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     n_seqs = T.dynamic("N")
     # tiling config: 16-row diagonal blocks, 32-row halves; min_blocks CTAs per SM bounds the registers
     B16, B32 = 16, 32
+
+    prof_t = T.Tensor((PROF_SLOTS, len(PROF_EVENTS)), "int64") if profile else None
+
+    def stamper(prof, i_s, i_h, tid):
+        """stamp(event) -> the timer call (profile=True) or None (nothing reaches the kernel)."""
+        def stamp(ev, head=None, cal=False):
+            if not profile:
+                return None
+            on = (tid == 0) & (i_h == 0) & (i_s < PROF_SLOTS)
+            idx = T.min(i_s, PROF_SLOTS - 1) * len(PROF_EVENTS) + PROF_INDEX[ev]
+            if head is not None:   # per value head j < PROF_HEADS: events h.* repeat every len(HEAD_EVENTS)
+                on = on & (head < PROF_HEADS)
+                idx = idx + T.min(head, PROF_HEADS - 1) * len(HEAD_EVENTS)
+            return T.call_extern("handle", "fd_prof_cal" if cal else "fd_prof_stamp", prof.data, idx, on)
+        return stamp
 
     @T.prim_func
     def prepare_fwd_kernel(
@@ -87,12 +112,21 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
+        prof: prof_t,
     ):
-        with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS) as (i_s, i_h):
+        with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS,
+                      prelude=_tl.PROF_PRELUDE if profile else None) as (i_s, i_h):
             T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
+            stamp = stamper(prof, i_s, i_h, tid)
+            stamp("m.clk0", cal=True)
             chunk = T.alloc_local((3,), "int32")
             _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT, chunk)
+            stamp("found")
+            if profile:
+                # an ordinary TIR store, so TileLang passes `prof` as a writable pointer; the chunk's first token
+                if (tid == 0) & (i_h == 0) & (i_s < PROF_SLOTS):
+                    prof[i_s, PROF_INDEX["m.t0"]] = T.cast(chunk[1], "int64")
             seq, t0, eos = chunk[0], chunk[1], chunk[2]
 
             k_shared = T.alloc_shared((BT, K), k_dtype)
@@ -138,7 +172,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         d2_hi[i, c] = 0
                         d2_lo[i, c] = 0
                     # [BT, K] @ [K, BT] -> [BT, BT]
+                    stamp("loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
+                    stamp("kkt")
                     for i, c in T.Parallel(BT, BT):
                         if i // B16 == c // B16:
                             kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
@@ -148,10 +184,12 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         if i >= B32 and c < B32:
                             c_hi[i - B32, c] = _hi(kk_frag[i, c])
                             c_lo[i - B32, c] = _lo(kk_frag[i, c])
+                    stamp("split")
                     T.cumsum(g_shared[:, 0:G], dim=0)
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
                             g_cumsum[0, t0 + i, i_h * G + j] = g_shared[i, j]
+                    stamp("cumsum")
 
                     for j in T.serial(G):
                         if skip < 3:
@@ -188,6 +226,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                         do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
                                         do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
 
+                        stamp("h.l0", j)
                         if skip < 2:
                             # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
                             # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
@@ -213,6 +252,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                         d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
                                         d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
 
+                        stamp("h.l1", j)
                         if skip < 1:
                             # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
                             # [32, 32] @ [32, 32] -> [32, 32], three times each
@@ -234,9 +274,11 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             T.gemm(d2_lo, d1_hi, z_frag)
                             for i, c in T.Parallel(B32, B32):
                                 a_shared[B32 + i, c] = -z_frag[i, c]
+                        stamp("h.l2", j)
                         for i, c in T.Parallel(BT, BT):
                             if t0 + i < eos:
                                 A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]
+                        stamp("h.stored", j)
                 else:
                     # padding tail: zeros
                     for i, j in T.Parallel(BT, G):
@@ -245,6 +287,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     for i, j, c in T.Parallel(BT, G, BT):
                         if t0 + i < eos:
                             A[0, t0 + i, i_h * G + j, c] = 0
+            stamp("m.clk1", cal=True)
 
     return prepare_fwd_kernel
 
@@ -320,6 +363,26 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A
+
+
+def prepare_fwd_profiled(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                         skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Development tool: `prepare_fwd` built with the phase timeline (not part of the public API).
+
+    Returns ``(g_cumsum, A, timeline)``; timeline is int64 ``[PROF_SLOTS, len(PROF_EVENTS)]`` (zero where not
+    written): thread 0 of the CTAs of key head 0 and chunk slots ``< PROF_SLOTS`` records %clock64 at each phase
+    end of `PROF_EVENTS`, a clock64/globaltimer pair at its start and end, and its chunk's first token.
+    bench/profile_prepare.py prints it.
+    """
+    _, n_tok, H, K = k.shape
+    HV = g.shape[-1]
+    cu_seqlens = _check_cu_seqlens(cu_seqlens)
+    g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
+    A = _tl.alloc((1, n_tok, HV, 64), k.dtype, k.device)
+    prof = torch.zeros((PROF_SLOTS, len(PROF_EVENTS)), dtype=torch.int64, device=k.device)
+    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype), 4, skip, True)
+    kernel(k, g, beta, cu_seqlens, g_cumsum, A, prof)
+    return g_cumsum, A, prof
 
 
 def prepare_bwd(dG: torch.Tensor, cu_seqlens: torch.Tensor, *, chunk_size: int = 64) -> torch.Tensor:

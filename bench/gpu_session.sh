@@ -28,6 +28,7 @@ timeout 95 python3 bench/run.py --suite fwd --filter 'h8v32/(1x32768|8192x4|4096
   --max-minutes 1.0 --out "$OUT/fwd_small.csv" >> "$OUT/bench.log" 2>&1
 echo "phase 2 (bench) done at $(( $(date +%s) - t0 )) s"
 timeout 45 python3 -m flashdelta.cli check >> "$OUT/misc.log" 2>&1
+timeout 30 python3 -m flashdelta.cli check --l2norm >> "$OUT/misc.log" 2>&1
 if [ "${COLDSTART:-1}" = 1 ]; then
   timeout 60 python3 bench/coldstart.py --heads 16/64 2>&1 | grep -v "TileLang.*INFO" >> "$OUT/misc.log"
 fi

@@ -41,12 +41,15 @@ def _sync(device):
 def check(args) -> int:
     from . import chunk_gated_delta_rule, dispatch  # noqa: PLC0415
     from .numerics import TOLS, rel_l2  # noqa: PLC0415
-    from .reference.chunked import chunked_bwd, chunked_fwd  # noqa: PLC0415
+    from .portable import l2norm_bwd  # noqa: PLC0415
+    from .reference.chunked import chunked_bwd, chunked_fwd, l2norm_fwd  # noqa: PLC0415
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     H, HV, K, V = args.heads_qk, args.heads_v, args.head_dim, args.head_dim
     seqlens = [args.tokens] * args.seqs
     inputs, cu, do, dht = _inputs(seqlens, H, HV, K, V, torch.bfloat16, device)
+    if args.l2norm:  # unnormalised q, k: the kernels' normalisation has something to do
+        inputs["q"], inputs["k"] = inputs["q"] * 3, inputs["k"] * 0.5
     fwd_b, bwd_b = dispatch.resolve(device, K, V, torch.bfloat16, need_bwd=True)
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
 
@@ -56,7 +59,8 @@ def check(args) -> int:
             t.grad = None
         _sync(device)
         t0 = time.perf_counter()
-        o, ht = chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True)
+        o, ht = chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=args.l2norm)
         _sync(device)
         t1 = time.perf_counter()
         ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
@@ -66,16 +70,22 @@ def check(args) -> int:
     x64 = {n: t.detach().double().cpu() for n, t in inputs.items()}
     scale = K ** -0.5
     cu_cpu = cu.cpu()
-    o_ref, ht_ref, g_cumsum, A = chunked_fwd(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"],
+    q64, k64 = x64["q"], x64["k"]
+    if args.l2norm:
+        (q64, rq), (k64, rk) = l2norm_fwd(q64), l2norm_fwd(k64)
+    o_ref, ht_ref, g_cumsum, A = chunked_fwd(q64, k64, x64["v"], x64["g"], x64["beta"],
                                              x64["initial_state"], cu_cpu, scale=scale, state_v_first=False)
-    dq, dk, dv, dbeta, dg, dh0 = chunked_bwd(x64["q"], x64["k"], x64["v"], g_cumsum, x64["beta"], A,
+    dq, dk, dv, dbeta, dg, dh0 = chunked_bwd(q64, k64, x64["v"], g_cumsum, x64["beta"], A,
                                              x64["initial_state"], do.double().cpu(), dht.double().cpu(), cu_cpu,
                                              scale=scale, state_v_first=False, H=H)
+    if args.l2norm:
+        dq, dk = l2norm_bwd(q64, rq, dq), l2norm_bwd(k64, rk, dk)
     rows = [("o", o, o_ref), ("ht", ht, ht_ref), ("dq", leaves["q"].grad, dq), ("dk", leaves["k"].grad, dk),
             ("dv", leaves["v"].grad, dv), ("dg", leaves["g"].grad, dg), ("dbeta", leaves["beta"].grad, dbeta),
             ("dh0", leaves["initial_state"].grad, dh0)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"flashdelta check: {args.seqs} x {args.tokens} tokens, H={H}, HV={HV}, K=V={K}, bf16, model-like gates")
+    print(f"flashdelta check: {args.seqs} x {args.tokens} tokens, H={H}, HV={HV}, K=V={K}, bf16, model-like gates"
+          + (", q/k l2norm in the kernel" if args.l2norm else ""))
     print(f"device: {name} | backend: forward={fwd_b}, backward={bwd_b}")
     print(f"time: forward {times['fwd'] * 1e3:.1f} ms, backward {times['bwd'] * 1e3:.1f} ms (second call)")
     print(f"{'tensor':<8}{'rel L2 err':>12}{'tolerance':>12}  status")
@@ -130,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads-qk", type=int, default=4)
     p.add_argument("--heads-v", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--l2norm", action="store_true",
+                   help="use_qk_l2norm_in_kernel=True (q, k given unnormalised), as Hugging Face models call it")
     p.set_defaults(func=check)
     w = sub.add_parser("warmup", help="compile the SM90 kernels a model needs into TileLang's persistent cache")
     w.add_argument("--heads", type=_heads, action="append", required=True,

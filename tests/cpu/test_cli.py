@@ -17,6 +17,12 @@ def test_check_passes_and_prints_the_table(capsys):
     assert out.rstrip().endswith("result: ok")
 
 
+def test_check_with_l2norm(capsys):
+    assert cli.main(SMALL + ["--l2norm"]) == 0
+    out = capsys.readouterr().out
+    assert "q/k l2norm in the kernel" in out and out.rstrip().endswith("result: ok")
+
+
 def test_check_exits_nonzero_on_a_wrong_result(monkeypatch, capsys):
     # perturb the backend's forward only (the float64 reference is built on the same portable code)
     kset = dispatch.load("torch")

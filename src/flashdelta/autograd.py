@@ -12,6 +12,8 @@ traces through them and CUDA graphs can capture the Hopper path. The portable ba
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Optional
 
@@ -54,6 +56,16 @@ def _l2norm(x: Tensor, kset: dispatch.KernelSet):
 
 
 _warned: set = set()
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel of the first frame outside flashdelta and torch (the user's call), counted
+    from the caller of this function; torch's custom-op dispatch puts a varying number of frames in between."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _backends(q: Tensor, v: Tensor, need_bwd: bool) -> tuple:
@@ -69,7 +81,8 @@ def _backends(q: Tensor, v: Tensor, need_bwd: bool) -> tuple:
             _warned.add(key)
             why = dispatch.load(native).unsupported(K, V, q.dtype) or "the kernels for that pass do not exist yet"
             warnings.warn(f"flashdelta: running the portable PyTorch path on {q.device} "
-                          f"(forward: {fwd}, backward: {bwd if need_bwd else '-'}): {why}", stacklevel=4)
+                          f"(forward: {fwd}, backward: {bwd if need_bwd else '-'}): {why}",
+                          stacklevel=_caller_stacklevel())
     return fwd, bwd
 
 

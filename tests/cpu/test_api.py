@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from _helpers import Case, make_inputs
 
 import flashdelta
 from flashdelta import UnsupportedError, chunk_gated_delta_rule, dispatch
@@ -165,3 +166,18 @@ def test_cu_seqlens_values_revalidated_after_in_place_change():
     chunk_gated_delta_rule(**x, cu_seqlens=cu2)
     with pytest.raises(ValueError, match=r"exceeds the token count T=5"):
         chunk_gated_delta_rule(**x_short, cu_seqlens=cu2)
+
+
+def test_fallback_warning_points_at_the_caller(monkeypatch):
+    """Under auto, a machine with native kernels that runs the portable path says so once, and the warning is
+    attributed to the user's line (not to torch's custom-op dispatch)."""
+    pytest.importorskip("tilelang")
+    from flashdelta import autograd, dispatch
+
+    monkeypatch.setattr(dispatch, "native_backend", lambda device: "sm90")
+    monkeypatch.setattr(autograd, "_warned", set())
+    monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
+    x = make_inputs(Case("warn", (70,), H=1, HV=2, K=32, V=32), dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="running the portable PyTorch path") as rec:
+        chunk_gated_delta_rule(**x)
+    assert len(rec) == 1 and rec[0].filename == __file__

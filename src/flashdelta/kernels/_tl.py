@@ -27,28 +27,6 @@ def tilelang():
     return tl
 
 
-# Development timelines (fused_fwd / prepare `profile=True` builds): prepended to the kernel source (T.Kernel prelude)
-# only when profiling. forceinline, so no call boundary sits between wgmma instructions; "memory" clobbers keep
-# shared/global accesses from moving across a timer read. fd_prof_stamp writes %clock64 (the SM's cycle counter)
-# to buf[idx] when `on`; fd_prof_cal writes a %clock64/%globaltimer pair (cycles -> ns) to buf[idx], buf[idx + 1].
-PROF_PRELUDE = r"""
-__device__ __forceinline__ void fd_prof_stamp(void* buf, int idx, bool on) {
-  if (on) {
-    long long t;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-  }
-}
-__device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
-  if (on) {
-    long long t, g;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-    static_cast<long long*>(buf)[idx + 1] = g;
-  }
-}
-"""
 
 
 def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:

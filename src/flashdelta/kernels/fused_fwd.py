@@ -42,7 +42,8 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from . import _tl
+from . import _ptx, _tl
+from ._fwd_timeline import PROF_CHUNKS, PROF_CTAS, PROF_EVENTS, PROF_INDEX, marker
 
 BT_DEFAULT = 64
 NUM_STAGES = 3          # q/k/v/A/g/beta ring depth
@@ -63,160 +64,7 @@ _PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-# ---- opt-in per-role timeline (development tool: `chunk_fwd_profiled`, bench/profile_fwd.py) ----
-# With `profile=True` the builder adds one int64 output `prof [PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)]`: one
-# designated thread per role (state WG thread 0, prep WG thread 128, load warp thread 256, store warp thread 288) of
-# each CTA with blockIdx.x < PROF_CTAS writes the SM cycle counter (%clock64) at each event of chunks
-# c < PROF_CHUNKS; everything else only evaluates the predicate. Entries never written stay as allocated (0).
-# The "m." entries live in row c = 0: clock64/globaltimer pairs at the state WG's start and end (cycles -> ns) and NT.
-# Chunk index convention: an event is filed under the chunk it belongs to (s.tail of chunk c is recorded in the
-# state loop iteration that starts chunk c+1). With profile=False nothing here reaches the kernel.
-PROF_CTAS = 2
-PROF_CHUNKS = 128
-PROF_EVENTS = (
-    # meta (row 0)
-    "m.clk0", "m.gt0", "m.clk1", "m.gt1", "m.nt",
-    # state WG, thread 0, chunk c (overlap path order: s.full, s.prep, [s.tail c-1], s.vd_issued, [s.released..
-    # s.o_staged c-1], s.vd_done, s.fin_begin, s.fin_o1, s.fin_end, [s.full/s.prep c+1], s.tail, s.released ...)
-    "s.full",       # full[c] wait returned (q/k/v/A/g/beta of chunk c in shared memory)
-    "s.prep",       # prep_done[c] wait returned (Ag, Xn, Pg, r, dq, e_L of chunk c ready)
-    "s.vd_issued",  # Vd^T GEMMs of chunk c issued (S0 -> bf16 copy and the e_L state scale done)
-    "s.vd_done",    # Vd^T of chunk c complete (wait_wgmma)
-    "s.fin_begin",  # finish_chunk(c) starts: O^T = S0^T Q^T issued next
-    "s.fin_o1",     # O^T = S0^T Q^T complete (wait_wgmma(1) inside finish_chunk; S1 GEMM still in flight)
-    "s.fin_end",    # O^T += Vd^T Pg^T issued (finish_chunk(c) has issued everything)
-    "s.tail",       # S1 = e_L S0 + (Vd R) K and O^T of chunk c complete
-    "s.released",   # empty[c] and pout_empty[c] arrived (ring slot and prep buffers handed back)
-    "s.o_empty",    # o_empty wait returned (store warp done with this o_s buffer)
-    "s.o_staged",   # O^T of chunk c written to o_s, o_full arrived
-    # prep WG, thread 128, chunk c
-    "p.begin",      # loop top, before the full[c] wait
-    "p.full",       # full[c] wait returned (after the ragged-row zeroing, if any)
-    "p.qk_issued",  # Q K^T issued; A tile and g/beta loaded into registers
-    "p.pout",       # pout_empty wait returned (state WG released this xn/pg/r/dq buffer)
-    "p.qk_done",    # Q K^T complete
-    "p.ew_done",    # element-wise pass done (Gamma, Ag, A o beta, Pg in registers)
-    "p.stored",     # Xn GEMM issued; Ag, Pg, r, dq, e_L, -exp(G) stored under it
-    "p.xn_done",    # Xn GEMM complete
-    "p.done",       # Xn converted and stored, fenced, prep_done arrived
-    # producer load warp, thread 256, chunk c
-    "l.begin",      # loop top, before the empty wait
-    "l.empty",      # ring slot free (empty, or empty_va with early_release)
-    "l.va_issued",  # v and A TMA issued
-    "l.qk_slot",    # q/k half of the slot free (= l.va_issued without early_release)
-    "l.issued",     # q and k TMA issued, full arrived
-    # store warp, thread 288, chunk c
-    "w.begin",      # loop top, before the o_full wait
-    "w.o_full",     # o_full wait returned
-    "w.stored",     # o rows stored to global memory, o_empty arrived
-)
-PROF_INDEX = {name: i for i, name in enumerate(PROF_EVENTS)}
-_PROF_ROLE_THREAD = {"s": 0, "p": 128, "l": 256, "w": 288, "m": 0}
-_PROF_PRELUDE = _tl.PROF_PRELUDE
-
-
-# Always prepended: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
-# bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
-# t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
-# are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
-_PRELUDE = r"""
-template <bool kHalf>
-__device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
-  unsigned r;  // (the prelude precedes TileLang's includes: PTX, not cuda_bf16.h)
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
-}
-template <bool kHalf>
-__device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, int off, int ld, int tx) {
-  const int lane = tx & 31, m = lane >> 3;
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(o_s)) +
-      2u * (off + (lane & 7) * ld + (tx >> 5) * 16 + (m & 1) * 8 + (m >> 1) * 8 * ld);
-  #pragma unroll
-  for (int n = 0; n < 8; n += 2) {
-    unsigned r[4];
-    #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int i = (n + (q >> 1)) * 4 + (q & 1) * 2;
-      r[q] = fd_pack2<kHalf>(o_f[i], o_f[i + 1]);
-    }
-    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(base + 2u * n * 8 * ld), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-  }
-}
-"""
-_STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
-# share_prep (2-CTA cluster, see `_build_chunk_fwd`): distributed shared memory between the two CTAs of a cluster.
-# Addresses are this CTA's; `mapa` turns them into the peer's copy of the same variable.
-_CLUSTER_PRELUDE = r"""
-__device__ __forceinline__ unsigned fd_peer_addr(const void* p, unsigned peer) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-  return r;
-}
-// one arrival on the peer CTA's mbarrier (release at cluster scope: this thread's prior accesses come first)
-__device__ __forceinline__ void fd_arrive_peer(void* bar, unsigned peer) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(fd_peer_addr(bar, peer))
-               : "memory");
-}
-// bytes the local mbarrier's current phase must also receive (from the peer's bulk copy) before it completes
-__device__ __forceinline__ void fd_expect_tx(void* bar, unsigned bytes) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(bytes) : "memory");
-}
-// bulk copy of `bytes` from this CTA's shared memory at src to the peer's copy of dst; completes as transaction
-// bytes on the peer's copy of bar
-__device__ __forceinline__ void fd_bulk_to_peer(void* dst, const void* src, unsigned bytes, void* bar,
-                                                unsigned peer) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(fd_peer_addr(dst, peer)), "r"(s), "r"(bytes), "r"(fd_peer_addr(bar, peer)) : "memory");
-}
-__device__ __forceinline__ void fd_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-"""
 LOG2E = 1.4426950408889634
-
-
-class _NoMarker:
-    """profile=False: every mark is a Python-level no-op, so the traced kernel is exactly the uninstrumented one."""
-
-    def __call__(self, c, ev):
-        return None
-
-    def later(self, c, ev):
-        return lambda: None
-
-    def cal(self, ev):
-        return None
-
-
-class _Marker(_NoMarker):
-    """profile=True: each mark is one `fd_prof_*` call, predicated on (designated thread, bx, chunk) on the device."""
-
-    def __init__(self, prof, bx, tx):
-        self.prof, self.bx, self.tx = prof, bx, tx
-
-    def _at(self, c, ev):
-        on = (self.tx == _PROF_ROLE_THREAD[ev[0]]) & (self.bx < PROF_CTAS) & (c < PROF_CHUNKS)
-        # bx is clamped so that the (unused) index of a non-recording CTA cannot overflow int32
-        idx = (T.min(self.bx, PROF_CTAS - 1) * PROF_CHUNKS + c) * len(PROF_EVENTS) + PROF_INDEX[ev]
-        return idx, on
-
-    def __call__(self, c, ev):
-        idx, on = self._at(c, ev)
-        return T.call_extern("handle", "fd_prof_stamp", self.prof.data, idx, on)
-
-    def later(self, c, ev):
-        return lambda: self(c, ev)
-
-    def cal(self, ev):
-        idx, on = self._at(0, ev)
-        return T.call_extern("handle", "fd_prof_cal", self.prof.data, idx, on)
 
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
@@ -250,9 +98,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
     # profile=False: `prof` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     prof_t = T.Tensor((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), "int64") if profile else None
-
-    def marker(prof, bx, tx):
-        return _Marker(prof, bx, tx) if profile else _NoMarker()
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
@@ -293,7 +138,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
         # packed conversion + stmatrix.trans (16 cvt and 4 stmatrix per thread, not 32 + 32 scalar transposed stores)
-        T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
+        T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
 
@@ -429,7 +274,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _PRELUDE + (_CLUSTER_PRELUDE if share_prep else "") + (_PROF_PRELUDE if profile else "")
+        prelude = _ptx.STAGE_O_PRELUDE + (_ptx.CLUSTER_PRELUDE if share_prep else "") + \
+            (_ptx.PROF_PRELUDE if profile else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude,
                       cluster_dims=2 if share_prep else None) as bx:
             i_n = bx // (HV * NV)
@@ -463,7 +309,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
-            mark = marker(prof, bx, tx)
+            mark = marker(profile, prof, bx, tx)
             if share_prep:
                 T.call_extern("handle", "fd_cluster_sync")   # the peer's barriers are initialised
 
@@ -600,7 +446,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
-                            T.call_extern("handle", _STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)), BV + 8,
+                            T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)), BV + 8,
                                           tx)
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")

@@ -26,7 +26,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from . import _tl
+from . import _ptx, _tl
 
 F32 = "float32"
 BF16 = "bfloat16"
@@ -115,7 +115,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         prof: prof_t,
     ):
         with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS,
-                      prelude=_tl.PROF_PRELUDE if profile else None) as (i_s, i_h):
+                      prelude=_ptx.PROF_PRELUDE if profile else None) as (i_s, i_h):
             T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             stamp = stamper(prof, i_s, i_h, tid)

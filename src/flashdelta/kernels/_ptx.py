@@ -1,0 +1,92 @@
+"""Inline CUDA/PTX that the TileLang kernels prepend to their source (T.Kernel prelude) and call with
+T.call_extern. A prelude precedes TileLang's own includes, so only builtins and inline PTX appear here.
+"""
+
+# Development timelines (fused_fwd / prepare `profile=True` builds): prepended to the kernel source (T.Kernel prelude)
+# only when profiling. forceinline, so no call boundary sits between wgmma instructions; "memory" clobbers keep
+# shared/global accesses from moving across a timer read. fd_prof_stamp writes %clock64 (the SM's cycle counter)
+# to buf[idx] when `on`; fd_prof_cal writes a %clock64/%globaltimer pair (cycles -> ns) to buf[idx], buf[idx + 1].
+PROF_PRELUDE = r"""
+__device__ __forceinline__ void fd_prof_stamp(void* buf, int idx, bool on) {
+  if (on) {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+    static_cast<long long*>(buf)[idx] = t;
+  }
+}
+__device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
+  if (on) {
+    long long t, g;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
+    static_cast<long long*>(buf)[idx] = t;
+    static_cast<long long*>(buf)[idx + 1] = g;
+  }
+}
+"""
+
+
+# Always prepended: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
+# bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
+# t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
+# are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
+STAGE_O_PRELUDE = r"""
+template <bool kHalf>
+__device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
+  unsigned r;  // (the prelude precedes TileLang's includes: PTX, not cuda_bf16.h)
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+template <bool kHalf>
+__device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, int off, int ld, int tx) {
+  const int lane = tx & 31, m = lane >> 3;
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(o_s)) +
+      2u * (off + (lane & 7) * ld + (tx >> 5) * 16 + (m & 1) * 8 + (m >> 1) * 8 * ld);
+  #pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    unsigned r[4];
+    #pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = (n + (q >> 1)) * 4 + (q & 1) * 2;
+      r[q] = fd_pack2<kHalf>(o_f[i], o_f[i + 1]);
+    }
+    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(base + 2u * n * 8 * ld), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  }
+}
+"""
+STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
+# share_prep (2-CTA cluster, see `_build_chunk_fwd`): distributed shared memory between the two CTAs of a cluster.
+# Addresses are this CTA's; `mapa` turns them into the peer's copy of the same variable.
+CLUSTER_PRELUDE = r"""
+__device__ __forceinline__ unsigned fd_peer_addr(const void* p, unsigned peer) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  return r;
+}
+// one arrival on the peer CTA's mbarrier (release at cluster scope: this thread's prior accesses come first)
+__device__ __forceinline__ void fd_arrive_peer(void* bar, unsigned peer) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(fd_peer_addr(bar, peer))
+               : "memory");
+}
+// bytes the local mbarrier's current phase must also receive (from the peer's bulk copy) before it completes
+__device__ __forceinline__ void fd_expect_tx(void* bar, unsigned bytes) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(bytes) : "memory");
+}
+// bulk copy of `bytes` from this CTA's shared memory at src to the peer's copy of dst; completes as transaction
+// bytes on the peer's copy of bar
+__device__ __forceinline__ void fd_bulk_to_peer(void* dst, const void* src, unsigned bytes, void* bar,
+                                                unsigned peer) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(fd_peer_addr(dst, peer)), "r"(s), "r"(bytes), "r"(fd_peer_addr(bar, peer)) : "memory");
+}
+__device__ __forceinline__ void fd_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+"""

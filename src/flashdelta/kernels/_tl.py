@@ -27,8 +27,6 @@ def tilelang():
     return tl
 
 
-
-
 def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """Allocate a kernel output. With FLASHDELTA_POISON=1 (the tests set it) it is filled with NaN
     (integers with -1), so any element a kernel forgets to write fails the comparison."""

@@ -3,8 +3,8 @@
     y = x * rsqrt(sum(x^2) + 1e-6)      over the last dim, fp32 math, y in x's dtype; rstd fp32 for the backward
 
 One launch per tensor, a CTA per 64 rows (row = one token of one head); the row index is 64-bit so tensors past
-2^31 elements work. Same contract as `portable.l2norm_fwd` (its float64 twin is `reference.chunked.l2norm`'s
-use in the reference; see docs/stages.md).
+2^31 elements work. Same contract as `portable.l2norm_fwd`; the float64 twin is `reference.chunked.l2norm_fwd`
+(docs/stages.md).
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import tilelang

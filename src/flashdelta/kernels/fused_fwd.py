@@ -1,5 +1,7 @@
 """Fused chunked GDN forward (Hopper, TileLang): o and the final state in one launch.
 
+docs/fused_fwd.md has the barrier table, the share_prep protocol and the per-chunk cost model.
+
 One CTA walks every chunk of one (sequence, value head, V slice) with the state in fp32 registers. Per chunk
 (docs/stages.md notation, C = BT = 64, S0 the state entering the chunk, the state held transposed as
 ``S^T [BV, K]`` so that it is the register A operand of every GEMM that reads it):

@@ -3,7 +3,7 @@
     source .device/bootstrap.sh; python3 bench/fwd_variants.py [--tokens 8192,32768] [--variants NAME,...]
     python3 bench/fwd_variants.py --compile-only      # CPU: fill TileLang's cache (TILELANG_CACHE_DIR) to carry
 
-Each variant is a set of `fused_fwd._build_chunk_fwd` switches (see VARIANTS); all run on the same TP1-like inputs
+Each variant is a set of `fused_fwd.SWITCHES` values (see VARIANTS); all run on the same TP1-like inputs
 (bf16, fp32 beta and h0, one sequence; see profile_fwd.make_inputs). Per variant it checks o and the final state
 against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
 (CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
@@ -73,10 +73,7 @@ def main():
         for name in names:
             a, flags = builder_flags(ff, name)
             t0 = time.time()
-            if flags:
-                ff._build_chunk_fwd(*a[:-2], **{"overlap": a[-2], "early_release": a[-1], **flags})
-            else:
-                ff._build_chunk_fwd(*a)
+            ff.build(a, **flags)
             print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
         return
 
@@ -108,10 +105,7 @@ def main():
                 print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
-            if flags:
-                kernel = ff._build_chunk_fwd(*a[:-2], **{"overlap": a[-2], "early_release": a[-1], **flags})
-            else:
-                kernel = ff._build_chunk_fwd(*a)
+            kernel = ff.build(a, **flags)
             o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
             kernel(q, k, v, gc, beta, A, h0, cu, o, ht)
             torch.cuda.synchronize()

@@ -299,13 +299,13 @@ def main():
 
     # time the kernels alone (the launchers also allocate outputs; the profiled one zero-fills its timeline)
     args_plain = ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, scale, True, False)
-    k_prof = ff._build_chunk_fwd(*args_plain[:-2], overlap=prof_kw["overlap"], early_release=early, profile=True,
-                                 share_prep=args.share_prep)
+    k_prof = ff.build(args_plain, overlap=prof_kw["overlap"], early_release=early, profile=True,
+                      share_prep=args.share_prep)
     bufs, pbuf = (torch.empty_like(o), torch.empty_like(ht)), torch.zeros_like(tl)
     ms_prof = cuda_time(lambda: k_prof(q, k, v, gc, beta, A, h0, cu, *bufs, pbuf), args.reps)
     ms_plain = float("nan")
     if not args.no_plain:
-        k_plain = ff._build_chunk_fwd(*args_plain)
+        k_plain = ff.build(args_plain)
         ms_plain = cuda_time(lambda: k_plain(q, k, v, gc, beta, A, h0, cu, *bufs), args.reps)
         d_o = (o.float() - o_ref.float()).abs().max().item()
         d_h = (ht - ht_ref).abs().max().item()

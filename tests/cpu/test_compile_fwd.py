@@ -47,7 +47,7 @@ def test_warmup_builds_the_launcher_variants():
 def test_profiled_variant_reads_timers():
     """profile=True (the chunk_fwd_profiled development build) compiles, and only it reads the SM clock: one
     predicated %clock64 stamp per role event, %globaltimer for the cycle -> ns calibration, the extra output."""
-    kernel = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"], True)
+    kernel = fused_fwd.build(VARIANTS["bf16-gva2-h0"], profile=True)
     src = kernel.get_kernel_source()
     assert "%%clock64" in src and "%%globaltimer" in src
     assert "int64_t* __restrict__ prof" in src                    # the timeline output, writable
@@ -71,7 +71,7 @@ def test_l2norm_compiles(K, dtype):
 def test_share_prep_variant_compiles():
     """The experimental 2-CTA cluster variant: distributed shared memory (mapa, bulk copies into the peer,
     remote mbarrier arrivals), cluster barriers at start and end; the launcher's kernel has none of it."""
-    src = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"], share_prep=True).get_kernel_source()
+    src = fused_fwd.build(VARIANTS["bf16-gva2-h0"], share_prep=True).get_kernel_source()
     assert src.count("fd_bulk_to_peer(") >= 3 and "fd_arrive_peer(" in src and "fd_expect_tx(" in src
     assert src.count("fd_cluster_sync();") == 2
     plain = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()

@@ -59,6 +59,11 @@ OVERLAP = True          # software-pipelined state warpgroup (False: the plain p
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
 EARLY_RELEASE = True
+# The 2-CTA cluster variant (docs/fused_fwd.md); used where V / 64 is even once it has been measured on a GPU.
+SHARE_PREP = False
+# The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
+# `build` overrides them by name (always passing all four positionally, so a switch set has one cache key).
+SWITCHES = ("overlap", "early_release", "profile", "share_prep")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -448,8 +453,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
-                            T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * (BV + 8)), BV + 8,
-                                          tx)
+                            T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data,
+                                          pb * (BT * (BV + 8)), BV + 8, tx)
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")
                     if store_final_state:
@@ -551,9 +556,22 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                  h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
-    """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
+    """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. The last
+    `len(SWITCHES)` entries are the launcher's switch values."""
+    share = SHARE_PREP and (V // BLOCK_V) % 2 == 0
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
-            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE)
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False, share)
+
+
+def build(args: tuple, **switches):
+    """The kernel for `builder_args(...)` with some `SWITCHES` replaced by name (development variants)."""
+    unknown = set(switches) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"unknown builder switches {sorted(unknown)}; known: {SWITCHES}")
+    n = len(SWITCHES)
+    values = dict(zip(SWITCHES, args[-n:]))
+    values.update({name: bool(flag) for name, flag in switches.items()})
+    return _build_chunk_fwd(*args[:-n], *(values[name] for name in SWITCHES))
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
@@ -586,7 +604,8 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
     ``c < PROF_CHUNKS``; row 0 also holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's
     start and end, and NT). One designated thread per role records, so the cost is a predicate per event
     elsewhere; the profiled kernel is a separate compile (`profile=True` in the builder), the plain kernel is
-    untouched. ``flags`` are builder variant switches (overlap, early_release; default: the launcher's). bench/profile_fwd.py turns the timeline into per-role tables.
+    untouched. ``flags`` override other `SWITCHES` (overlap, early_release, share_prep; default: the launcher's).
+    bench/profile_fwd.py turns the timeline into per-role tables.
     """
     return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                       state_v_first=state_v_first, chunk_size=chunk_size, variant={**flags, "profile": True})
@@ -594,8 +613,8 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
 
 def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                       chunk_size=64, **flags):
-    """Development tool: `chunk_fwd` built with other builder switches (overlap, early_release), for A/B timing
-    in bench/fwd_variants.py. Returns (o, final_state)."""
+    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release, share_prep), for
+    A/B runs (bench/fwd_variants.py, the share_prep GPU test). Returns (o, final_state)."""
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))
     return o, ht
@@ -631,11 +650,6 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
                A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
-    if not variant:
-        _build_chunk_fwd(*args)(*tensors)
-    else:
-        # args ends with (overlap, early_release): the switches are keywords from there on
-        flags = {"overlap": args[-2], "early_release": args[-1], **variant}
-        kernel = _build_chunk_fwd(*args[:-2], **flags)
-        kernel(*tensors, prof) if flags.get("profile") else kernel(*tensors)
+    kernel = build(args, **(variant or {}))
+    kernel(*tensors, prof) if prof is not None else kernel(*tensors)
     return o, ht, prof

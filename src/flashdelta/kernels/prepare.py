@@ -52,6 +52,14 @@ def _lo(x):
     return T.cast(x - T.cast(T.cast(x, BF16), F32), BF16)
 
 
+@T.macro
+def _gemm_hilo(a_hi, a_lo, b_hi, b_lo, out):
+    """out = a @ b on bf16 mma from hi/lo splits: hi*hi + hi*lo + lo*hi (fp32 accumulate, ~1e-6 relative)."""
+    T.gemm(a_hi, b_hi, out, clear_accum=True)
+    T.gemm(a_hi, b_lo, out)
+    T.gemm(a_lo, b_hi, out)
+
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float64: "float64"}
 
@@ -231,18 +239,14 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
                             # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
                             # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
-                            T.gemm(k1_hi, de_hi, y1_frag, clear_accum=True)
-                            T.gemm(k1_hi, de_lo, y1_frag)
-                            T.gemm(k1_lo, de_hi, y1_frag)
+                            _gemm_hilo(k1_hi, k1_lo, de_hi, de_lo, y1_frag)
                             for i, c in T.Parallel(B32, B32):
                                 if i // B16 == c // B16:
                                     # Y_0 | Y_1 side by side, in place of D_0 | D_2
                                     y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
                                     de_hi[i % B16, c] = _hi(y_val)
                                     de_lo[i % B16, c] = _lo(y_val)
-                            T.gemm(do_hi, de_hi, x1_frag, clear_accum=True)
-                            T.gemm(do_hi, de_lo, x1_frag)
-                            T.gemm(do_lo, de_hi, x1_frag)
+                            _gemm_hilo(do_hi, do_lo, de_hi, de_lo, x1_frag)
                             for i, c in T.Parallel(B32, B32):
                                 if i // B16 == c // B16:
                                     if i < B16:
@@ -256,9 +260,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         if skip < 1:
                             # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
                             # [32, 32] @ [32, 32] -> [32, 32], three times each
-                            T.gemm(c_hi, d1_hi, y_frag, clear_accum=True)
-                            T.gemm(c_hi, d1_lo, y_frag)
-                            T.gemm(c_lo, d1_hi, y_frag)
+                            _gemm_hilo(c_hi, c_lo, d1_hi, d1_lo, y_frag)
                             for i, c in T.Parallel(B32, B32):
                                 a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
                                 a_shared[i, B32 + c] = 0
@@ -269,9 +271,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                 y_val = y_frag[i, c] * beta_shared[B32 + i, j]
                                 d1_hi[i, c] = _hi(y_val)
                                 d1_lo[i, c] = _lo(y_val)
-                            T.gemm(d2_hi, d1_hi, z_frag, clear_accum=True)
-                            T.gemm(d2_hi, d1_lo, z_frag)
-                            T.gemm(d2_lo, d1_hi, z_frag)
+                            _gemm_hilo(d2_hi, d2_lo, d1_hi, d1_lo, z_frag)
                             for i, c in T.Parallel(B32, B32):
                                 a_shared[B32 + i, c] = -z_frag[i, c]
                         stamp("h.l2", j)

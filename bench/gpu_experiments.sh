@@ -10,8 +10,9 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
-if timeout 60 python3 bench/fwd_variants.py --tokens 8192 --variants default,share-prep 2>&1 \
-     | grep -v "TileLang.*INFO" > "$OUT/exp_smoke.log"; then
+timeout 60 python3 bench/fwd_variants.py --tokens 8192 --variants default,share-prep > "$OUT/exp_smoke.log" 2>&1
+smoke=$?
+if [ $smoke = 0 ]; then
   echo "share_prep smoke run finished ($(( $(date +%s) - t0 )) s):"; tail -n 3 "$OUT/exp_smoke.log"
   timeout 200 python3 -m pytest tests/gpu/test_fwd.py -q -p no:cacheprovider -k "share_prep" > "$OUT/exp_tests.log" 2>&1
   echo "share_prep tests: $(tail -n 1 "$OUT/exp_tests.log") ($(( $(date +%s) - t0 )) s)"
@@ -20,7 +21,8 @@ if timeout 60 python3 bench/fwd_variants.py --tokens 8192 --variants default,sha
   timeout 60 python3 bench/profile_fwd.py --no-plain --share-prep 2>&1 | grep -v "TileLang.*INFO" \
     > "$OUT/exp_profile_share.log"
 else
-  echo "share_prep smoke run failed or hung ($(( $(date +%s) - t0 )) s):"; tail -n 20 "$OUT/exp_smoke.log"
+  echo "share_prep smoke run failed (rc $smoke; 124 = timed out) at $(( $(date +%s) - t0 )) s:"
+  grep -v "TileLang.*INFO" "$OUT/exp_smoke.log" | tail -n 20
   timeout 150 python3 bench/fwd_variants.py --tokens 8192,32768,8192x4 --prepare --variants default,no-early-release \
     2>&1 | grep -v "TileLang.*INFO" > "$OUT/exp_variants.log"
 fi

@@ -139,7 +139,27 @@ def format_table(rows: list, subject: str = "flashdelta") -> str:
                            f"(min {min(xs):.2f}x, max {max(xs):.2f}x)")
     out.append("(* = timed with events, not a CUDA graph; cpN = N intra-card CP partitions; "
                "speedup = peer ms / subject ms)")
+    if have_subject:
+        out += target_lines(table, peers)
     return "\n".join(out)
+
+
+def target_lines(table: list, peers: list, reference: str = "flashqla") -> list:
+    """The issue's forward targets over the rows where `reference` ran without splitting sequences (cp = 1):
+    for each peer in TARGETS, how many of those rows reach its speedup and which do not."""
+    whole = [(case, sp) for _, case, by, sp in table
+             if reference in by and _ms(by[reference]) is not None and (by[reference].get("cp") or "1") == "1"]
+    out = []
+    for p in peers:
+        if p not in TARGETS:
+            continue
+        got = [(case, sp[p]) for case, sp in whole if sp.get(p)]
+        if not got:
+            continue
+        miss = [f"{case} {x:.2f}x" for case, x in got if x < TARGETS[p]]
+        out.append(f"target >= {TARGETS[p]}x vs {p} on rows where {reference} does not split: "
+                   f"{len(got) - len(miss)}/{len(got)} met" + (f"; missed: {', '.join(miss)}" if miss else ""))
+    return out
 
 
 def chart(rows: list, path: str, subject: str = "flashdelta", title: str = "") -> str | None:

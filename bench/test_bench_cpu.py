@@ -135,3 +135,15 @@ def test_chart_when_matplotlib_present(tmp_path):
     png = report.chart(rows, str(tmp_path / "c.png"))
     assert png and os.path.getsize(png) > 1000
     assert report.chart(rows, str(tmp_path / "d.png"), subject="nobody") is None
+
+
+def test_target_lines_count_only_rows_the_reference_runs_whole():
+    def rows(case, sub, fla, fqla, cp):
+        return [dict(suite="fwd", case=case, provider=p, ms=str(ms), timing="cudagraph", cp=c)
+                for p, ms, c in (("flashdelta", sub, "1"), ("fla", fla, "1"), ("flashqla", fqla, cp))]
+    data = rows("a", 1.0, 2.5, 1.3, "1") + rows("b", 1.0, 1.5, 1.1, "1") + rows("c", 1.0, 1.0, 0.5, "4")
+    _, peers, table = report.speedup_table(data, "flashdelta")
+    lines = report.target_lines(table, peers)
+    assert lines == ["target >= 2.0x vs fla on rows where flashqla does not split: 1/2 met; missed: b 1.50x",
+                     "target >= 1.2x vs flashqla on rows where flashqla does not split: 1/2 met; missed: b 1.10x"]
+    assert lines[0] in report.format_table(data, "flashdelta")

@@ -14,6 +14,7 @@ FWD_VARIANTS = [
     (64, 16, 128, 64, "bfloat16", "float32"),    # TP1 Qwen3-Next-like group of 4
     (4, 4, 64, 64, "float16", "bfloat16"),       # no grouping, K = 64
     (4, 2, 256, 64, "bfloat16", "float16"),      # K = 256
+    (6, 2, 128, 64, "bfloat16", "float32"),      # GVA 3 (27B TP2 / TP1: 8/24, 16/48)
 ]
 _WGMMA_TYPE = {"bfloat16": "kBFloat16", "float16": "kFloat16"}
 

@@ -16,6 +16,7 @@ CASES = [
     Case("dense-B2-noh0", (777, 777), H=2, HV=8, K=128, V=128, varlen=False, h0=False),
     Case("long-32k", (32768,), H=2, HV=8, K=128, V=128),
     Case("bench-gate-28k+4k", (28672, 4096), H=2, HV=8, K=128, V=128, gate="bench"),
+    Case("gva3-varlen", (700, 1, 2000), H=2, HV=6, K=128, V=128, pad=5),
 ]
 # (case, dtype) pairs: every case in bf16, one in fp16
 PAIRS = [(c, torch.bfloat16) for c in CASES] + [(CASES[1], torch.float16)]

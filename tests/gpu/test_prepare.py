@@ -42,6 +42,8 @@ CASES = [
     PrepCase("gva1-zero-gate", (129, 64), H=4, HV=4, gate="zero"),
     PrepCase("k64-fp16", (100, 64, 3), H=2, HV=4, K=64, pad=9, dtype=torch.float16),
     PrepCase("k256", (100, 64, 3), H=2, HV=4, K=256, pad=9),
+    # GVA 3 (27B-style 8/24 and 16/48 layers): beta's padded shared tile, the per-head padding-tail loop
+    PrepCase("gva3-edges-pad21", EDGES, H=2, HV=6, pad=21),
     # 70k sequences: three rounds of the in-kernel chunk search, more chunks than a grid y/z dim holds
     PrepCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3), 2), H=1, HV=1, pad=10),
 ]

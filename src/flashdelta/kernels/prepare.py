@@ -92,6 +92,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = HV // H                     # value heads per key head
+    # beta's shared tile has a power-of-two row (nvcc 13.0's front end crashes on the level-2 code for G = 3)
+    GB = 1 << (G - 1).bit_length()
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
     # tiling config: 16-row diagonal blocks, 32-row halves; min_blocks CTAs per SM bounds the registers
@@ -140,7 +142,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             k_shared = T.alloc_shared((BT, K), k_dtype)
             kk_frag = T.alloc_fragment((BT, BT), F32)
             g_shared = T.alloc_shared((BT, G + 1), F32)    # +1: the column scan's strided reads
-            beta_shared = T.alloc_shared((BT, G), F32)
+            beta_shared = T.alloc_shared((BT, GB), F32)
             # K K^T pieces, unscaled (beta scales rows per value head), written once per CTA:
             # the four 16x16 diagonal blocks (fp32; a pad column keeps 16-row column reads off one bank),
             # the two level-1 blocks stacked, rows 16:32 x cols 0:16 over rows 48:64 x cols 32:48, and the
@@ -284,9 +286,15 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
                             g_cumsum[0, t0 + i, i_h * G + j] = 0
-                    for i, j, c in T.Parallel(BT, G, BT):
-                        if t0 + i < eos:
-                            A[0, t0 + i, i_h * G + j, c] = 0
+                    if G == GB:
+                        for i, j, c in T.Parallel(BT, G, BT):
+                            if t0 + i < eos:
+                                A[0, t0 + i, i_h * G + j, c] = 0
+                    else:   # TileLang finds no layout for a (64, G, 64) parallel loop with G = 3
+                        for j in T.serial(G):
+                            for i, c in T.Parallel(BT, BT):
+                                if t0 + i < eos:
+                                    A[0, t0 + i, i_h * G + j, c] = 0
             stamp("m.clk1", cal=True)
 
     return prepare_fwd_kernel

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,12 +19,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
 def analyse(tl, events, heads):
+    from profile_fwd import median, quant
+
     """Lines of the report from a [CTAs, events] int list (rows with a zero start stamp skipped)."""
     ix = {e: i for i, e in enumerate(events)}
     rows = [r for r in tl if r[ix["m.clk0"]] != 0 and r[ix["m.clk1"]] != 0]
     if not rows:
         return ["no sampled CTA recorded a timeline"]
-    ghz = statistics.median((r[ix["m.clk1"]] - r[ix["m.clk0"]]) / max(1, r[ix["m.gt1"]] - r[ix["m.gt0"]]) for r in rows)
+    ghz = median([(r[ix["m.clk1"]] - r[ix["m.clk0"]]) / max(1, r[ix["m.gt1"]] - r[ix["m.gt0"]]) for r in rows])
     order = ["m.clk0", "found", "loaded", "kkt", "split", "cumsum"]
     for j in range(heads):
         order += [("h." if j == 0 else f"h{j}.") + e for e in ("l0", "l1", "l2", "stored")]
@@ -35,14 +36,13 @@ def analyse(tl, events, heads):
     for a, b in zip(order, order[1:]):
         d = [(r[ix[b]] - r[ix[a]]) / ghz for r in rows if r[ix[a]] and r[ix[b]]]
         if d:
-            d.sort()
-            out.append(f"  {b:<12} {statistics.median(d):>10.0f} {d[len(d) // 10]:>8.0f} {d[(9 * len(d)) // 10]:>8.0f}")
-    life = sorted((r[ix["m.gt1"]] - r[ix["m.gt0"]]) for r in rows)
-    out.append(f"  CTA lifetime (globaltimer): median {statistics.median(life):.0f} ns, "
-               f"p10 {life[len(life) // 10]:.0f}, p90 {life[(9 * len(life)) // 10]:.0f}")
+            out.append(f"  {b:<12} {median(d):>10.0f} {quant(d, 0.1):>8.0f} {quant(d, 0.9):>8.0f}")
+    life = [r[ix["m.gt1"]] - r[ix["m.gt0"]] for r in rows]
+    out.append(f"  CTA lifetime (globaltimer): median {median(life):.0f} ns, "
+               f"p10 {quant(life, 0.1):.0f}, p90 {quant(life, 0.9):.0f}")
     spans = [(r[ix["m.gt0"]], r[ix["m.gt1"]]) for r in rows]
     conc = [sum(1 for a, b in spans if a <= t < b) for t, _ in spans]
-    out.append(f"  sampled CTAs alive at each one's start: median {statistics.median(conc):.0f}, max {max(conc)}")
+    out.append(f"  sampled CTAs alive at each one's start: median {median(conc):.0f}, max {max(conc)}")
     return out
 
 

@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
+    ap.add_argument("--profiled", action="store_true", help="with --compile-only: also the timeline builds")
     args = ap.parse_args()
     names = args.variants.split(",")
 
@@ -75,6 +76,13 @@ def main():
             t0 = time.time()
             ff.build(a, **flags)
             print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
+        if args.profiled:  # the timeline builds bench/profile_fwd.py and profile_prepare.py run
+            for name in names:
+                a, flags = builder_flags(ff, name)
+                ff.build(a, **{**flags, "profile": True})
+                print(f"built {name} (profiled)", flush=True)
+            prepare._build_prepare_fwd(*pargs, 4, 0, True)
+            print("built prepare (profiled)", flush=True)
         return
 
     import torch

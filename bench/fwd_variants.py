@@ -25,14 +25,14 @@ VARIANTS = {
     "no-early-release": {"early_release": False},
     "share-prep": {"share_prep": True},
 }
-# name -> prepare_fwd builder (min_blocks, skip); skip > 0 leaves out inverse levels (timing only, A is wrong)
+# name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
+# (timing only, A is wrong)
 PREPARE_VARIANTS = {
-    "prepare": (4, 0),
-    "prepare-mb5": (5, 0),
-    "prepare-mb2": (2, 0),
-    "prepare-skip-l2": (4, 1),
-    "prepare-skip-l12": (4, 2),
-    "prepare-kkt-only": (4, 3),
+    "prepare": {},
+    "prepare-a-own": {"a_in_k": False, "min_blocks": 4},    # A in its own tile, 4 CTAs/SM (before 2026-11-29 pm)
+    "prepare-mb4": {"min_blocks": 4},
+    "prepare-skip-l12": {"skip": 2},
+    "prepare-kkt-only": {"skip": 3},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5
@@ -65,11 +65,11 @@ def main():
 
     import torch as _torch
 
-    pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)[:6]
+    pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)
     if args.compile_only:
         if args.prepare:
-            for name, (mb, skip) in PREPARE_VARIANTS.items():
-                prepare._build_prepare_fwd(*pargs, mb, skip)
+            for name, knobs in PREPARE_VARIANTS.items():
+                prepare.build_fwd(pargs, **knobs)
                 print(f"built {name}", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
@@ -81,7 +81,7 @@ def main():
                 a, flags = builder_flags(ff, name)
                 ff.build(a, **{**flags, "profile": True})
                 print(f"built {name} (profiled)", flush=True)
-            prepare._build_prepare_fwd(*pargs, 4, 0, True)
+            prepare.build_fwd(pargs, profile=True)
             print("built prepare (profiled)", flush=True)
         return
 
@@ -103,8 +103,8 @@ def main():
         if args.prepare:
             g = torch.zeros_like(gc)
             gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
-            for name, (mb, skip) in PREPARE_VARIANTS.items():
-                kernel = prepare._build_prepare_fwd(*pargs, mb, skip)
+            for name, knobs in PREPARE_VARIANTS.items():
+                kernel = prepare.build_fwd(pargs, **knobs)
                 kernel(k, g, beta, cu, gc_out, A_out)
                 torch.cuda.synchronize()
                 d_a = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding-level

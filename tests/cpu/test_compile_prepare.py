@@ -3,30 +3,59 @@
 Checked in the emitted CUDA: K K^T runs on wgmma in k's dtype, the level-2 block products of the inverse run
 on bf16 mma (hi/lo splits), and the grid has no y/z dimension that depends on the number of sequences.
 """
+import re
+
 import pytest
+import torch
 
 pytest.importorskip("tilelang")
 
 from flashdelta.kernels import prepare  # noqa: E402
 
 FWD_VARIANTS = [
-    # (HV, H, K, BT, k dtype, beta dtype)
-    (64, 16, 128, 64, "bfloat16", "float32"),    # TP1 Qwen3-Next-like group of 4
-    (4, 4, 64, 64, "float16", "bfloat16"),       # no grouping, K = 64
-    (4, 2, 256, 64, "bfloat16", "float16"),      # K = 256
-    (6, 2, 128, 64, "bfloat16", "float32"),      # GVA 3 (27B TP2 / TP1: 8/24, 16/48)
+    # (H, HV, K, k dtype, beta dtype): the launcher's build (`prepare.builder_args`)
+    (16, 64, 128, torch.bfloat16, torch.float32),    # TP1 Qwen3-Next-like group of 4
+    (4, 4, 64, torch.float16, torch.bfloat16),       # no grouping, K = 64
+    (2, 4, 256, torch.bfloat16, torch.float16),      # K = 256
+    (2, 6, 128, torch.bfloat16, torch.float32),      # GVA 3 (27B TP2 / TP1: 8/24, 16/48)
 ]
-_WGMMA_TYPE = {"bfloat16": "kBFloat16", "float16": "kFloat16"}
+_WGMMA_TYPE = {torch.bfloat16: "kBFloat16", torch.float16: "kFloat16"}
 
 
-@pytest.mark.parametrize("args", FWD_VARIANTS, ids=lambda a: f"HV{a[0]}-H{a[1]}-K{a[2]}-{a[4]}-beta_{a[5]}")
-def test_prepare_fwd_compiles_sm90(args):
-    src = prepare._build_prepare_fwd(*args).get_kernel_source()
+def _ids(v):
+    return f"H{v[0]}-HV{v[1]}-K{v[2]}-{str(v[3])[6:]}-beta_{str(v[4])[6:]}"
+
+
+def _check_fwd_source(src, k_dtype):
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
-    assert wgmma and all(_WGMMA_TYPE[args[4]] in line for line in wgmma), "K K^T must run on wgmma"
+    assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
     mma = [line for line in src.splitlines() if "mma_sync<" in line]
     assert len(mma) >= 6 and all("kBFloat16" in line for line in mma), "level-2 products: bf16 mma"
     assert "blockIdx.z" not in src
+
+
+@pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
+def test_prepare_fwd_compiles_sm90(v):
+    args = prepare.builder_args(*v)
+    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K)
+    src = prepare.build_fwd(args).get_kernel_source()
+    _check_fwd_source(src, v[3])
+    assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
+
+
+def _dyn_smem_end(src):
+    """The highest `buf_dyn_shmem + offset` the kernel addresses (a lower bound of its shared memory)."""
+    return max(int(m) for m in re.findall(r"buf_dyn_shmem \+ (\d+)", src))
+
+
+def test_prepare_fwd_a_tile_variants():
+    """The A tile in its own buffer (a_in_k=False, the build measured before) compiles too, and assembling A in the
+    key tile saves that buffer's shared memory (what lets five CTAs share an SM)."""
+    args = prepare.builder_args(*FWD_VARIANTS[0])
+    own = prepare.build_fwd(args, a_in_k=False, min_blocks=4).get_kernel_source()
+    shared = prepare.build_fwd(args, a_in_k=True).get_kernel_source()
+    _check_fwd_source(own, torch.bfloat16)
+    assert _dyn_smem_end(own) - _dyn_smem_end(shared) >= 64 * 72 * 2
 
 
 def test_prepare_bwd_compiles_sm90():
@@ -42,8 +71,8 @@ def test_prepare_fwd_rejects_unsupported_head_dim():
 def test_prepare_fwd_profiled_build():
     """profile=True (bench/profile_prepare.py): timer stamps at every phase, one writable timeline output; the
     launcher's build has none of it."""
-    args = FWD_VARIANTS[0]
-    src = prepare._build_prepare_fwd(*args, 4, 0, True).get_kernel_source()
+    args = prepare.builder_args(*FWD_VARIANTS[0])
+    src = prepare.build_fwd(args, profile=True).get_kernel_source()
     assert "int64_t* __restrict__ prof" in src and "const int64_t* __restrict__ prof" not in src
     assert src.count("fd_prof_stamp(prof,") == 9 and src.count("fd_prof_cal(prof,") == 2
-    assert "fd_prof" not in prepare._build_prepare_fwd(*args).get_kernel_source()
+    assert "fd_prof" not in prepare.build_fwd(args).get_kernel_source()

@@ -34,3 +34,16 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if os.environ.get("FLASHDELTA_POISON") == "1":
         out.fill_(float("nan") if dtype.is_floating_point else -1)
     return out
+
+
+def build_with(builder, args: tuple, names: tuple, switches: dict):
+    """`builder(*args)` with some of its trailing parameters `names` (the last len(names) entries of `args`)
+    replaced by keyword (development variants). All arguments stay positional, so one switch set has one
+    compile-cache key however it was spelled."""
+    unknown = set(switches) - set(names)
+    if unknown:
+        raise TypeError(f"unknown builder switches {sorted(unknown)}; known: {names}")
+    n = len(names)
+    values = dict(zip(names, args[-n:]))
+    values.update(switches)
+    return builder(*args[:-n], *(values[name] for name in names))

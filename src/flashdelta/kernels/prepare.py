@@ -32,6 +32,10 @@ F32 = "float32"
 BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
+A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
+MIN_BLOCKS = 5             # CTAs per SM the registers must allow (shared memory allows 5 with A_IN_K)
+# the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
+KNOBS = ("min_blocks", "skip", "profile", "a_in_k")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -84,8 +88,10 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4, skip: int = 0, profile: bool = False):
-    """skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
+                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False):
+    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T), which
+    cuts ~9 KB per CTA (51 -> 42 KB: five CTAs per SM instead of four; `min_blocks` then bounds the registers).
+    skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)
     writes %clock64 at each `PROF_EVENTS` phase end (bench/profile_prepare.py reads it)."""
@@ -166,7 +172,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             x1_frag = T.alloc_fragment((B32, B32), F32)
             y_frag = T.alloc_fragment((B32, B32), F32)
             z_frag = T.alloc_fragment((B32, B32), F32)
-            a_shared = T.alloc_shared((BT, BT + 8), k_dtype)  # +8: fragment-order row writes off one bank
+            # A's tile: the first BT columns of the key tile (K >= BT; its wgmma swizzle keeps fragment-order row
+            # writes off one bank), or its own buffer (+8: the same for a plain row-major tile)
+            a_shared = k_shared if a_in_k else T.alloc_shared((BT, BT + 8), k_dtype)
             x_local = T.alloc_local((B16,), F32)
 
             if t0 < eos:
@@ -339,9 +347,15 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
-def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
+def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, *, skip: int = 0,
+                 profile: bool = False) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype])
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, skip, profile, A_IN_K)
+
+
+def build_fwd(args: tuple, **knobs):
+    """The kernel for `builder_args(...)` with some `KNOBS` replaced by name (development variants)."""
+    return _tl.build_with(_build_prepare_fwd, args, KNOBS, knobs)
 
 
 def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -388,7 +402,7 @@ def prepare_fwd_profiled(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, c
     g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
     A = _tl.alloc((1, n_tok, HV, 64), k.dtype, k.device)
     prof = torch.zeros((PROF_SLOTS, len(PROF_EVENTS)), dtype=torch.int64, device=k.device)
-    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype), 4, skip, True)
+    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype, skip=skip, profile=True))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A, prof)
     return g_cumsum, A, prof
 

@@ -1,0 +1,11 @@
+# TileLang's kernel cache, compiled on the CPU machine, carried to the GPU machine packed (~30x smaller than the
+# cache itself; the device call's working tree is limited to 64 MiB).
+#   TILELANG_CACHE_DIR=.cache/tl-ship flashdelta warmup ...      # CPU machine: fill the cache
+#   bash bench/tlcache.sh pack                                  # -> .cache/tl-ship.tar.xz (carry that path)
+#   source bench/tlcache.sh unpack                              # GPU machine: unpack, export TILELANG_CACHE_DIR
+case "${1:-}" in
+  pack) tar -C .cache -cJf .cache/tl-ship.tar.xz tl-ship && ls -la .cache/tl-ship.tar.xz ;;
+  unpack) python3 -c "import tarfile; tarfile.open('.cache/tl-ship.tar.xz').extractall('/tmp')" &&
+          export TILELANG_CACHE_DIR=/tmp/tl-ship && echo "TileLang cache: $(ls /tmp/tl-ship/*/linux-x86_64/kernels | wc -l) kernels" ;;
+  *) echo "usage: bench/tlcache.sh pack|unpack" >&2 ;;
+esac

@@ -30,7 +30,7 @@ VARIANTS = {
 PREPARE_VARIANTS = {
     "prepare": {},
     "prepare-a-own": {"a_in_k": False, "min_blocks": 4},    # A in its own tile, 4 CTAs/SM (before 2026-11-29 pm)
-    "prepare-mb4": {"min_blocks": 4},
+    "prepare-mb5": {"min_blocks": 5},
     "prepare-skip-l12": {"skip": 2},
     "prepare-kkt-only": {"skip": 3},
 }

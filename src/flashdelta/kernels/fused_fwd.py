@@ -136,15 +136,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                 T.call_extern("handle", "fd_arrive_peer", T.address_of(pout_empty[pb]), peer)
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer, peer_now=True):
-        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp.
-        # peer_now=False: the caller releases the peer's buffer itself once its in-flight wgmma retire (the share_prep
-        # timeline showed 0.84 us between the Vd issue and this point; suspected: the cluster-scope release arrive
-        # waiting for the outstanding wgmma)
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer):
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
-        if peer_now:
-            release_peer(pout_empty, c % 2, tx, peer)
+        release_peer(pout_empty, c % 2, tx, peer)
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
@@ -402,10 +398,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
                                 scale_state(s_f, el_s, pb1)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer,
-                                                    peer_now=False)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
                                 T.wait_wgmma(0)
-                                release_peer(pout_empty, c % 2, tx, peer)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
                                     T.barrier_arrive(empty_va[st1])

@@ -33,7 +33,7 @@ BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
 A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
-MIN_BLOCKS = 5             # CTAs per SM the registers must allow (shared memory allows 5 with A_IN_K)
+MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shared memory, measured slower)
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
 KNOBS = ("min_blocks", "skip", "profile", "a_in_k")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
@@ -89,8 +89,9 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
                        min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False):
-    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T), which
-    cuts ~9 KB per CTA (51 -> 42 KB: five CTAs per SM instead of four; `min_blocks` then bounds the registers).
+    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
+    less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
+    7% faster at TP1 32k; NOTES-gpu.md). `min_blocks` bounds the registers (5 CTAs per SM fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)

@@ -37,7 +37,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K)
+    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PAIR)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -48,14 +48,18 @@ def _dyn_smem_end(src):
     return max(int(m) for m in re.findall(r"buf_dyn_shmem \+ (\d+)", src))
 
 
-def test_prepare_fwd_a_tile_variants():
-    """The A tile in its own buffer (a_in_k=False, the build measured before) compiles too, and assembling A in the
-    key tile saves that buffer's shared memory (what lets five CTAs share an SM)."""
+def test_prepare_fwd_variants():
+    """The builds measured before compile too: one value head per inverse round (pair=False), and that with A in its
+    own tile (a_in_k=False). A in the key tile saves that tile's shared memory; pairing the heads doubles the
+    per-round buffers (both still allow four CTAs per SM at TP1)."""
     args = prepare.builder_args(*FWD_VARIANTS[0])
-    own = prepare.build_fwd(args, a_in_k=False, min_blocks=4).get_kernel_source()
-    shared = prepare.build_fwd(args, a_in_k=True).get_kernel_source()
-    _check_fwd_source(own, torch.bfloat16)
-    assert _dyn_smem_end(own) - _dyn_smem_end(shared) >= 64 * 72 * 2
+    own = prepare.build_fwd(args, a_in_k=False, pair=False).get_kernel_source()
+    single = prepare.build_fwd(args, pair=False).get_kernel_source()
+    paired = prepare.build_fwd(args, pair=True).get_kernel_source()
+    for src in (own, single, paired):
+        _check_fwd_source(src, torch.bfloat16)
+    assert _dyn_smem_end(own) - _dyn_smem_end(single) >= 64 * 72 * 2
+    assert _dyn_smem_end(paired) < 55 * 1024      # four CTAs in an SM's 228 KB (1 KB reserved per CTA)
 
 
 def test_prepare_bwd_compiles_sm90():

@@ -26,7 +26,32 @@ def _ids(v):
     return f"H{v[0]}-HV{v[1]}-K{v[2]}-{str(v[3])[6:]}-beta_{str(v[4])[6:]}"
 
 
+def _divergent_syncs(src):
+    """Lines of `__syncthreads()` nested under an `if` whose condition reads threadIdx (a hang when the threads
+    split: found on the GPU as a TileLang-inserted sync inside level 0's branch)."""
+    bad, stack, pending = [], [], None
+    for n, line in enumerate(src.splitlines(), 1):
+        code = line.strip()
+        if code.startswith(("if (", "} else if (")):
+            pending = "threadIdx" in code
+        elif code.startswith("} else {"):
+            pending = stack[-1] if stack else False   # the else of a thread-dependent if is thread-dependent too
+        for ch in code:
+            if ch == "{":
+                stack.append(bool(pending) or (bool(stack) and stack[-1]))
+                pending = None
+            elif ch == "}":
+                if stack:
+                    last = stack.pop()
+                    if code.startswith("} else {"):
+                        pending = last and not (stack and stack[-1])
+        if "__syncthreads()" in code and stack and stack[-1]:
+            bad.append(n)
+    return bad
+
+
 def _check_fwd_source(src, k_dtype):
+    assert not _divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
     assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
     mma = [line for line in src.splitlines() if "mma_sync<" in line]

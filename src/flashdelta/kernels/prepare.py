@@ -222,6 +222,13 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     stamp("cumsum")
 
                     for rnd in T.serial(ROUNDS):
+                        # the upper-right 16x16 block of each head's D1: zero again (the level-2 product
+                        # reuses D1's buffer). A loop of its own: written inside level 0's blk branch, TileLang
+                        # put a __syncthreads between it and the diagonal blocks there, under a branch only
+                        # half the threads take (a hang)
+                        for i, c in T.Parallel(B16, B16 * HP):
+                            d1_hi[i, (c // B16) * B32 + B16 + c % B16] = 0
+                            d1_lo[i, (c // B16) * B32 + B16 + c % B16] = 0
                         if skip < 3:
                             # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread;
                             # threads 64 p .. 64 p + 63 take head p of the round
@@ -241,11 +248,6 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                     for r in T.unroll(B16):
                                         d1_hi[off + r, p * B32 + off + col] = _hi(x_local[r])
                                         d1_lo[off + r, p * B32 + off + col] = _lo(x_local[r])
-                                    if blk == 1:
-                                        # upper-right block of D1: zero again (the level-2 product reuses D1)
-                                        for r in T.unroll(B16):
-                                            d1_hi[r, p * B32 + B16 + col] = 0
-                                            d1_lo[r, p * B32 + B16 + col] = 0
                                 else:
                                     for r in T.unroll(B16):
                                         d2_hi[p * B32 + off + r, off + col] = _hi(x_local[r])

@@ -29,8 +29,8 @@ VARIANTS = {
 # (timing only, A is wrong)
 PREPARE_VARIANTS = {
     "prepare": {},
-    "prepare-single": {"pair": False},                      # one value head per inverse round (f808287)
-    "prepare-a-own": {"a_in_k": False, "pair": False},      # ... and A in its own tile (c2ee081)
+    "prepare-a-own": {"a_in_k": False},      # A in its own tile (the c2ee081 build)
+    "prepare-mb5": {"min_blocks": 5},
     "prepare-skip-l12": {"skip": 2},
     "prepare-kkt-only": {"skip": 3},
 }

@@ -1,6 +1,6 @@
 # TileLang's kernel cache, compiled on the CPU machine, carried to the GPU machine packed (~30x smaller than the
 # cache itself; the device call's working tree is limited to 64 MiB).
-#   TILELANG_CACHE_DIR=.cache/tl-ship flashdelta warmup ...      # CPU machine: fill the cache
+#   TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/precompile.py --tests --grid --variants   # CPU: fill it
 #   bash bench/tlcache.sh pack                                  # -> .cache/tl-ship.tar.xz (carry that path)
 #   source bench/tlcache.sh unpack                              # GPU machine: unpack, export TILELANG_CACHE_DIR
 case "${1:-}" in

@@ -13,7 +13,8 @@ import torch
 from flashdelta.numerics import TOLS, rel_l2
 from flashdelta.testing import bench_gate, model_gate
 
-__all__ = ["TOLS", "Case", "assert_close", "bench_gate", "make_inputs", "model_gate", "random_lengths", "rel_l2"]
+__all__ = ["TOLS", "Case", "assert_close", "bench_gate", "divergent_syncs", "make_inputs", "model_gate", "random_lengths",
+           "rel_l2"]
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, *, baseline: torch.Tensor | None = None,
@@ -116,3 +117,24 @@ def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0
             if requires_grad and out[name].is_floating_point():
                 out[name].requires_grad_(True)
     return out
+
+
+def divergent_syncs(src: str) -> list[int]:
+    """Line numbers of generated CUDA where `__syncthreads()` sits under an `if` (or its `else`) whose condition
+    reads threadIdx: a hang when the threads split. TileLang's sync insertion put one inside a thread-dependent
+    branch of a prepare variant, which hung on the GPU (NOTES-gpu.md, session 3)."""
+    bad, stack, sibling = [], [], False      # stack: per open block, (thread-dependent so far, its own condition)
+    for n, line in enumerate(src.splitlines(), 1):
+        code = line.strip()
+        for k, ch in enumerate(code):
+            if ch == "}" and stack:
+                sibling = stack.pop()[1]
+            elif ch == "{":
+                head = code[:k]
+                own = "threadIdx" in head if head.lstrip("} ").startswith(("if (", "else")) else False
+                if head.lstrip("} ").startswith("else"):   # else / else if: reached by the threads the if did not take
+                    own = own or sibling
+                stack.append(((stack[-1][0] if stack else False) or own, own))
+        if "__syncthreads()" in code and stack and stack[-1][0]:
+            bad.append(n)
+    return bad

@@ -8,6 +8,7 @@ pytest.importorskip("tilelang")
 from flashdelta.kernels import fused_fwd  # noqa: E402
 
 import torch  # noqa: E402
+from _helpers import divergent_syncs  # noqa: E402
 
 SCALE = 128 ** -0.5
 
@@ -69,6 +70,7 @@ def test_l2norm_compiles(K, dtype):
 
     src = l2norm._build_l2norm_fwd(*l2norm.builder_args(K, dtype)).get_kernel_source()
     assert "uint4" in src and "int64_t" in src and "AllReduce" in src and "rsqrtf" in src
+    assert not divergent_syncs(src)
 
 
 def test_share_prep_variant_compiles():

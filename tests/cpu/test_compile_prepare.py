@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from _helpers import divergent_syncs
 
 pytest.importorskip("tilelang")
 
@@ -26,32 +27,8 @@ def _ids(v):
     return f"H{v[0]}-HV{v[1]}-K{v[2]}-{str(v[3])[6:]}-beta_{str(v[4])[6:]}"
 
 
-def _divergent_syncs(src):
-    """Lines of `__syncthreads()` nested under an `if` whose condition reads threadIdx (a hang when the threads
-    split: found on the GPU as a TileLang-inserted sync inside level 0's branch)."""
-    bad, stack, pending = [], [], None
-    for n, line in enumerate(src.splitlines(), 1):
-        code = line.strip()
-        if code.startswith(("if (", "} else if (")):
-            pending = "threadIdx" in code
-        elif code.startswith("} else {"):
-            pending = stack[-1] if stack else False   # the else of a thread-dependent if is thread-dependent too
-        for ch in code:
-            if ch == "{":
-                stack.append(bool(pending) or (bool(stack) and stack[-1]))
-                pending = None
-            elif ch == "}":
-                if stack:
-                    last = stack.pop()
-                    if code.startswith("} else {"):
-                        pending = last and not (stack and stack[-1])
-        if "__syncthreads()" in code and stack and stack[-1]:
-            bad.append(n)
-    return bad
-
-
 def _check_fwd_source(src, k_dtype):
-    assert not _divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
+    assert not divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
     assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
     mma = [line for line in src.splitlines() if "mma_sync<" in line]
@@ -62,7 +39,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PAIR)
+    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -73,18 +50,14 @@ def _dyn_smem_end(src):
     return max(int(m) for m in re.findall(r"buf_dyn_shmem \+ (\d+)", src))
 
 
-def test_prepare_fwd_variants():
-    """The builds measured before compile too: one value head per inverse round (pair=False), and that with A in its
-    own tile (a_in_k=False). A in the key tile saves that tile's shared memory; pairing the heads doubles the
-    per-round buffers (both still allow four CTAs per SM at TP1)."""
+def test_prepare_fwd_a_tile_variants():
+    """The A tile in its own buffer (a_in_k=False, the build measured before) compiles too, and assembling A in the
+    key tile saves that buffer's shared memory."""
     args = prepare.builder_args(*FWD_VARIANTS[0])
-    own = prepare.build_fwd(args, a_in_k=False, pair=False).get_kernel_source()
-    single = prepare.build_fwd(args, pair=False).get_kernel_source()
-    paired = prepare.build_fwd(args, pair=True).get_kernel_source()
-    for src in (own, single, paired):
-        _check_fwd_source(src, torch.bfloat16)
-    assert _dyn_smem_end(own) - _dyn_smem_end(single) >= 64 * 72 * 2
-    assert _dyn_smem_end(paired) < 55 * 1024      # four CTAs in an SM's 228 KB (1 KB reserved per CTA)
+    own = prepare.build_fwd(args, a_in_k=False).get_kernel_source()
+    shared = prepare.build_fwd(args, a_in_k=True).get_kernel_source()
+    _check_fwd_source(own, torch.bfloat16)
+    assert _dyn_smem_end(own) - _dyn_smem_end(shared) >= 64 * 72 * 2
 
 
 def test_prepare_bwd_compiles_sm90():

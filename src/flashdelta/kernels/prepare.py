@@ -33,12 +33,11 @@ BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
 A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
-PAIR = True                # ... and two value heads per inverse round where G >= 2
 MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shared memory, measured slower)
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("min_blocks", "skip", "profile", "a_in_k", "pair")
+KNOBS = ("min_blocks", "skip", "profile", "a_in_k")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
-# clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for inverse rounds < PROF_HEADS
+# clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
 PROF_HEADS = 4
 HEAD_EVENTS = ("h.l0", "h.l1", "h.l2", "h.stored")
@@ -89,12 +88,8 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False,
-                       pair: bool = False):
-    """pair=True inverts two value heads per round (G >= 2; an odd G repeats its last head, stored once): level 0
-    runs on all 128 threads, the products that share their left operand stack the heads along N, the others
-    along M (block-diagonal: only the heads' own blocks are used), so the rounds, syncs and small-GEMM latencies
-    per CTA halve. a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
+                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False):
+    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
     7% faster at TP1 32k; NOTES-gpu.md). `min_blocks` bounds the registers (5 CTAs per SM fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
@@ -108,12 +103,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     GB = 1 << (G - 1).bit_length()
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
-    # tiling config: 16-row diagonal blocks, 32-row halves; HP value heads per inverse round; min_blocks CTAs per
-    # SM bounds the registers
+    # tiling config: 16-row diagonal blocks, 32-row halves; min_blocks CTAs per SM bounds the registers
     B16, B32 = 16, 32
-    HP = 2 if pair and G > 1 else 1
-    ROUNDS = (G + HP - 1) // HP
-    A_COLS = HP * BT                # the round's A tiles side by side
 
     prof_t = T.Tensor((PROF_SLOTS, len(PROF_EVENTS)), "int64") if profile else None
 
@@ -124,7 +115,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                 return None
             on = (tid == 0) & (i_h == 0) & (i_s < PROF_SLOTS)
             idx = T.min(i_s, PROF_SLOTS - 1) * len(PROF_EVENTS) + PROF_INDEX[ev]
-            if head is not None:   # per inverse round < PROF_HEADS: events h.* repeat every len(HEAD_EVENTS)
+            if head is not None:   # per value head j < PROF_HEADS: events h.* repeat every len(HEAD_EVENTS)
                 on = on & (head < PROF_HEADS)
                 idx = idx + T.min(head, PROF_HEADS - 1) * len(HEAD_EVENTS)
             return T.call_extern("handle", "fd_prof_cal" if cal else "fd_prof_stamp", prof.data, idx, on)
@@ -168,25 +159,23 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             k1_lo = T.alloc_shared((B32, B16), BF16)
             c_hi = T.alloc_shared((B32, B32), BF16)
             c_lo = T.alloc_shared((B32, B32), BF16)
-            # per round, bf16 hi/lo, head p's blocks at offset 32 p along the stacked axis: the 16x16 diagonal
-            # inverses D_0|D_2 side by side (heads along N) and D_1 over D_3 (heads along M), the two 32x32
-            # diagonal inverses D1 (heads along N) and D2 (heads along M), and the scaled products feeding the
-            # next level in their place
-            de_hi = T.alloc_shared((B16, B32 * HP), BF16)
-            de_lo = T.alloc_shared((B16, B32 * HP), BF16)
-            do_hi = T.alloc_shared((B32 * HP, B16), BF16)
-            do_lo = T.alloc_shared((B32 * HP, B16), BF16)
-            d1_hi = T.alloc_shared((B32, B32 * HP), BF16)
-            d1_lo = T.alloc_shared((B32, B32 * HP), BF16)
-            d2_hi = T.alloc_shared((B32 * HP, B32), BF16)
-            d2_lo = T.alloc_shared((B32 * HP, B32), BF16)
-            y1_frag = T.alloc_fragment((B32, B32 * HP), F32)
-            x1_frag = T.alloc_fragment((B32 * HP, B32 * HP), F32)
-            y_frag = T.alloc_fragment((B32, B32 * HP), F32)
-            z_frag = T.alloc_fragment((B32 * HP, B32 * HP), F32)
-            # the round's A tiles: the key tile's first A_COLS columns (K >= A_COLS; its wgmma swizzle keeps
-            # fragment-order row writes off one bank), or their own buffer (+8: the same for a plain tile)
-            a_shared = k_shared if a_in_k and K >= A_COLS else T.alloc_shared((BT, A_COLS + 8), k_dtype)
+            # per value head, bf16 hi/lo: the 16x16 diagonal inverses D_0|D_2 side by side and D_1 over D_3,
+            # the two 32x32 diagonal inverses, and the scaled products feeding the next level
+            de_hi = T.alloc_shared((B16, B32), BF16)
+            de_lo = T.alloc_shared((B16, B32), BF16)
+            do_hi = T.alloc_shared((B32, B16), BF16)
+            do_lo = T.alloc_shared((B32, B16), BF16)
+            d1_hi = T.alloc_shared((B32, B32), BF16)
+            d1_lo = T.alloc_shared((B32, B32), BF16)
+            d2_hi = T.alloc_shared((B32, B32), BF16)
+            d2_lo = T.alloc_shared((B32, B32), BF16)
+            y1_frag = T.alloc_fragment((B32, B32), F32)
+            x1_frag = T.alloc_fragment((B32, B32), F32)
+            y_frag = T.alloc_fragment((B32, B32), F32)
+            z_frag = T.alloc_fragment((B32, B32), F32)
+            # A's tile: the first BT columns of the key tile (K >= BT; its wgmma swizzle keeps fragment-order row
+            # writes off one bank), or its own buffer (+8: the same for a plain row-major tile)
+            a_shared = k_shared if a_in_k else T.alloc_shared((BT, BT + 8), k_dtype)
             x_local = T.alloc_local((B16,), F32)
 
             if t0 < eos:
@@ -197,8 +186,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, i_h * G + j], 0)
                         beta_shared[i, j] = T.if_then_else(
                             t0 + i < eos, T.cast(beta[0, t0 + i, i_h * G + j], F32), 0)
-                    for i, c in T.Parallel(B32 * HP, B32):
-                        # the upper-right 16x16 block of each head's D2 stays zero for every round
+                    for i, c in T.Parallel(B32, B32):
+                        # the upper-right 16x16 block of D2 stays zero for every value head
                         d2_hi[i, c] = 0
                         d2_lo[i, c] = 0
                     # [BT, K] @ [K, BT] -> [BT, BT]
@@ -221,21 +210,11 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             g_cumsum[0, t0 + i, i_h * G + j] = g_shared[i, j]
                     stamp("cumsum")
 
-                    for rnd in T.serial(ROUNDS):
-                        # the upper-right 16x16 block of each head's D1: zero again (the level-2 product
-                        # reuses D1's buffer). A loop of its own: written inside level 0's blk branch, TileLang
-                        # put a __syncthreads between it and the diagonal blocks there, under a branch only
-                        # half the threads take (a hang)
-                        for i, c in T.Parallel(B16, B16 * HP):
-                            d1_hi[i, (c // B16) * B32 + B16 + c % B16] = 0
-                            d1_lo[i, (c // B16) * B32 + B16 + c % B16] = 0
+                    for j in T.serial(G):
                         if skip < 3:
-                            # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread;
-                            # threads 64 p .. 64 p + 63 take head p of the round
-                            if tid < 4 * B16 * HP:
-                                p = tid // (4 * B16)
-                                j = T.min(rnd * HP + p, G - 1)
-                                blk = (tid // B16) % 4
+                            # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
+                            if tid < 4 * B16:
+                                blk = tid // B16
                                 col = tid % B16
                                 for r in T.unroll(B16):
                                     x_local[r] = 0
@@ -246,73 +225,71 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                 off = (blk % 2) * B16
                                 if blk < 2:
                                     for r in T.unroll(B16):
-                                        d1_hi[off + r, p * B32 + off + col] = _hi(x_local[r])
-                                        d1_lo[off + r, p * B32 + off + col] = _lo(x_local[r])
+                                        d1_hi[off + r, off + col] = _hi(x_local[r])
+                                        d1_lo[off + r, off + col] = _lo(x_local[r])
+                                    if blk == 1:
+                                        # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                        for r in T.unroll(B16):
+                                            d1_hi[r, B16 + col] = 0
+                                            d1_lo[r, B16 + col] = 0
                                 else:
                                     for r in T.unroll(B16):
-                                        d2_hi[p * B32 + off + r, off + col] = _hi(x_local[r])
-                                        d2_lo[p * B32 + off + r, off + col] = _lo(x_local[r])
+                                        d2_hi[off + r, off + col] = _hi(x_local[r])
+                                        d2_lo[off + r, off + col] = _lo(x_local[r])
                                 if blk % 2 == 0:
                                     for r in T.unroll(B16):
-                                        de_hi[r, p * B32 + (blk // 2) * B16 + col] = _hi(x_local[r])
-                                        de_lo[r, p * B32 + (blk // 2) * B16 + col] = _lo(x_local[r])
+                                        de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
+                                        de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
                                 else:
                                     for r in T.unroll(B16):
-                                        do_hi[p * B32 + (blk // 2) * B16 + r, col] = _hi(x_local[r])
-                                        do_lo[p * B32 + (blk // 2) * B16 + r, col] = _lo(x_local[r])
+                                        do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
+                                        do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
 
-                        stamp("h.l0", rnd)
+                        stamp("h.l0", j)
                         if skip < 2:
                             # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
-                            # [32, 16] @ [16, 32] products are used (rows 16:32 of half h are chunk rows
-                            # 32 h + 16 + i):  Y_h = diag(beta) K21_h D_2h,  X_h = -D_2h+1 Y_h
-                            _gemm_hilo(k1_hi, k1_lo, de_hi, de_lo, y1_frag)    # heads along N
-                            for i, c in T.Parallel(B32, B32 * HP):
-                                if i // B16 == (c % B32) // B16:
+                            # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
+                            # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
+                            _gemm_hilo(k1_hi, k1_lo, de_hi, de_lo, y1_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                if i // B16 == c // B16:
                                     # Y_0 | Y_1 side by side, in place of D_0 | D_2
-                                    y_val = y1_frag[i, c] * beta_shared[
-                                        i + B16 + (i // B16) * B16, T.min(rnd * HP + c // B32, G - 1)]
+                                    y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
                                     de_hi[i % B16, c] = _hi(y_val)
                                     de_lo[i % B16, c] = _lo(y_val)
-                            _gemm_hilo(do_hi, do_lo, de_hi, de_lo, x1_frag)    # block-diagonal over heads
-                            for i, c in T.Parallel(B32 * HP, B32 * HP):
-                                if i // B32 == c // B32 and (i % B32) // B16 == (c % B32) // B16:
-                                    if i % B32 < B16:
-                                        d1_hi[B16 + i % B32, c] = _hi(-x1_frag[i, c])
-                                        d1_lo[B16 + i % B32, c] = _lo(-x1_frag[i, c])
+                            _gemm_hilo(do_hi, do_lo, de_hi, de_lo, x1_frag)
+                            for i, c in T.Parallel(B32, B32):
+                                if i // B16 == c // B16:
+                                    if i < B16:
+                                        d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
+                                        d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
                                     else:
-                                        d2_hi[i, c % B32 - B16] = _hi(-x1_frag[i, c])
-                                        d2_lo[i, c % B32 - B16] = _lo(-x1_frag[i, c])
+                                        d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
+                                        d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
 
-                        stamp("h.l1", rnd)
+                        stamp("h.l1", j)
                         if skip < 1:
                             # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
-                            # [32, 32] @ [32, 32 HP] (heads along N), then block-diagonal [32 HP, 32] @ [32, 32 HP]
+                            # [32, 32] @ [32, 32] -> [32, 32], three times each
                             _gemm_hilo(c_hi, c_lo, d1_hi, d1_lo, y_frag)
-                            for i, c in T.Parallel(B32, B32 * HP):
-                                a0 = (c // B32) * BT       # head p's A tile: columns [64 p, 64 p + 64)
-                                a_shared[i, a0 + c % B32] = T.cast(
-                                    T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
-                                a_shared[i, a0 + B32 + c % B32] = 0
-                                a_shared[B32 + i, a0 + B32 + c % B32] = T.cast(
-                                    T.cast(d2_hi[(c // B32) * B32 + i, c % B32], F32) +
-                                    T.cast(d2_lo[(c // B32) * B32 + i, c % B32], F32), k_dtype)
-                            for i, c in T.Parallel(B32, B32 * HP):
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
+                                a_shared[i, B32 + c] = 0
+                                a_shared[B32 + i, B32 + c] = T.cast(
+                                    T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
+                            for i, c in T.Parallel(B32, B32):
                                 # diag(beta) C D1^{-1}, in place of D1^{-1}
-                                y_val = y_frag[i, c] * beta_shared[B32 + i, T.min(rnd * HP + c // B32, G - 1)]
+                                y_val = y_frag[i, c] * beta_shared[B32 + i, j]
                                 d1_hi[i, c] = _hi(y_val)
                                 d1_lo[i, c] = _lo(y_val)
                             _gemm_hilo(d2_hi, d2_lo, d1_hi, d1_lo, z_frag)
-                            for i, c in T.Parallel(B32 * HP, B32 * HP):
-                                if i // B32 == c // B32:
-                                    a_shared[B32 + i % B32, (c // B32) * BT + c % B32] = -z_frag[i, c]
-                        stamp("h.l2", rnd)
-                        for p in T.unroll(HP):
-                            if rnd * HP + p < G:
-                                for i, c in T.Parallel(BT, BT):
-                                    if t0 + i < eos:
-                                        A[0, t0 + i, i_h * G + rnd * HP + p, c] = a_shared[i, p * BT + c]
-                        stamp("h.stored", rnd)
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[B32 + i, c] = -z_frag[i, c]
+                        stamp("h.l2", j)
+                        for i, c in T.Parallel(BT, BT):
+                            if t0 + i < eos:
+                                A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]
+                        stamp("h.stored", j)
                 else:
                     # padding tail: zeros
                     for i, j in T.Parallel(BT, G):
@@ -374,8 +351,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, *, skip: int = 0,
                  profile: bool = False) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, skip, profile, A_IN_K,
-            PAIR)
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, skip, profile, A_IN_K)
 
 
 def build_fwd(args: tuple, **knobs):

@@ -1,0 +1,68 @@
+"""Compile on the CPU machine what a GPU call will need, into TileLang's cache (TILELANG_CACHE_DIR), so the call
+loads kernels instead of compiling them (~8-20 s of device time each):
+
+    TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/precompile.py [--tests] [--grid] [--variants]
+    bash bench/tlcache.sh pack        # then carry .cache/tl-ship.tar.xz (bench/tlcache.sh unpack there)
+
+--tests: the kernels of tests/gpu/test_fwd.py (with the share_prep variants) and tests/gpu/test_prepare.py;
+--grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0);
+--variants: bench/fwd_variants.py's builds and the timeline builds (profile_fwd.py, profile_prepare.py).
+test_e2e_gpu.py and test_l2norm.py go through the public API; their kernels still compile on the GPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GRID_HEADS = ("2/8", "4/16", "8/32", "16/64", "16/32", "8/24", "16/48", "16/16")
+
+
+def _timed(label, fn):
+    t0 = time.time()
+    fn()
+    print(f"{label}: {time.time() - t0:.1f} s", flush=True)
+
+
+def tests():
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
+    from test_fwd import CASES as FWD_CASES
+    from test_fwd import SHARE_CASES
+    from test_prepare import CASES as PREP_CASES
+
+    from flashdelta.kernels import fused_fwd, prepare
+
+    for c in FWD_CASES:
+        args = fused_fwd.builder_args(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h0_dtype, c.K ** -0.5, c.h0,
+                                      c.state_v_first)
+        _timed(f"chunk_fwd {c.name}", lambda: fused_fwd.build(args))
+        if c in SHARE_CASES:
+            _timed(f"chunk_fwd {c.name} share_prep", lambda: fused_fwd.build(args, share_prep=True))
+    for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype) for c in PREP_CASES):
+        _timed(f"prepare_fwd {args[:3]}", lambda: prepare.build_fwd(args))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tests", action="store_true")
+    ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--variants", action="store_true")
+    a = ap.parse_args()
+    if not os.environ.get("TILELANG_CACHE_DIR"):
+        sys.exit("set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried")
+    if a.variants:
+        subprocess.run([sys.executable, os.path.join(HERE, "fwd_variants.py"), "--compile-only", "--prepare",
+                        "--profiled"], check=True)
+    if a.grid:
+        heads = [x for h in GRID_HEADS for x in ("--heads", h)]
+        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32"], check=True)
+    if a.tests:
+        tests()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,8 @@
 # config, timings discarded: one rep, no gate), so the JIT work (FlashQLA's TileLang kernels take ~80 s per head
 # config, FLA's Triton kernels less) runs concurrently on the host's cores and lands in the on-disk caches.
 # Phase 2 times the half sequentially in one process with the normal protocol (gate, CUDA graphs, medians).
-# Carry a TileLang cache with flashdelta's kernels (`TILELANG_CACHE_DIR=.cache/tl-ship flashdelta warmup
-# --heads ... --beta-dtype fp32`) and export TILELANG_CACHE_DIR to skip their compile too.
+# Carry a TileLang cache with flashdelta's kernels (bench/precompile.py --grid, bench/tlcache.sh) to skip their
+# compile too.
 set -u
 HALF=${1:?usage: grid.sh 1|2|all}
 MAX_S=${MAX_S:-570}

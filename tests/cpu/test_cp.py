@@ -188,6 +188,13 @@ WARMUP_CASES = [
 WARMUP_IDS = [c[0].name for c in WARMUP_CASES]
 
 
+def _within_bound(warm_p, exact_p, bound, p):
+    """Asserts each head's warm-up error at partition p is within its bound; returns the err/bound ratios."""
+    err = (warm_p - exact_p).flatten(1).norm(dim=1)
+    assert bool((err <= bound * (1 + 1e-9) + 1e-13).all()), f"partition {p}: error {err} > bound {bound}"
+    return [float(e / b) for e, b in zip(err, bound) if b > 1e-12]
+
+
 @pytest.mark.parametrize("case,L,BT,thr,tight", WARMUP_CASES, ids=WARMUP_IDS)
 def test_warmup_forward_within_bound(case, L, BT, thr, tight):
     inp = _inputs(case)
@@ -204,9 +211,7 @@ def test_warmup_forward_within_bound(case, L, BT, thr, tight):
     for p in range(parts.P):
         if parts.first[p]:
             bound = torch.zeros(case.HV, dtype=F64)
-        err = (warm[p] - exact[p]).flatten(1).norm(dim=1)
-        assert bool((err <= bound * (1 + 1e-9) + 1e-13).all()), f"partition {p}: error {err} > bound {bound}"
-        ratios += [float(e / b) for e, b in zip(err, bound) if b > 1e-12]
+        ratios += _within_bound(warm[p], exact[p], bound, p)
         if parts.last[p]:
             continue
         # the state entering each head's window (serial truth), and the window's decay
@@ -240,9 +245,7 @@ def test_warmup_backward_within_bound(case, L, BT, thr, tight):
     for p in reversed(range(parts.P)):
         if parts.last[p]:
             bound = torch.zeros(case.HV, dtype=F64)
-        err = (warm[p] - exact[p]).flatten(1).norm(dim=1)
-        assert bool((err <= bound * (1 + 1e-9) + 1e-13).all()), f"partition {p}: error {err} > bound {bound}"
-        ratios += [float(e / b) for e, b in zip(err, bound) if b > 1e-12]
+        ratios += _within_bound(warm[p], exact[p], bound, p)
         if parts.first[p]:
             continue
         # the gradient at the end of each head's window (the first n chunks of p), serial truth

@@ -565,8 +565,6 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 def build(args: tuple, **switches):
     """The kernel for `builder_args(...)` with some `SWITCHES` replaced by name (development variants)."""
-    if not switches:   # the launcher's kernel
-        return _build_chunk_fwd(*args)
     return _tl.build_with(_build_chunk_fwd, args, SWITCHES, {name: bool(flag) for name, flag in switches.items()})
 
 

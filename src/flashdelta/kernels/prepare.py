@@ -348,10 +348,9 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
-def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, *, skip: int = 0,
-                 profile: bool = False) -> tuple:
+def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, skip, profile, A_IN_K)
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, 0, False, A_IN_K)
 
 
 def build_fwd(args: tuple, **knobs):
@@ -403,7 +402,7 @@ def prepare_fwd_profiled(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, c
     g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
     A = _tl.alloc((1, n_tok, HV, 64), k.dtype, k.device)
     prof = torch.zeros((PROF_SLOTS, len(PROF_EVENTS)), dtype=torch.int64, device=k.device)
-    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype, skip=skip, profile=True))
+    kernel = build_fwd(builder_args(H, HV, K, k.dtype, beta.dtype), skip=skip, profile=True)
     kernel(k, g, beta, cu_seqlens, g_cumsum, A, prof)
     return g_cumsum, A, prof
 

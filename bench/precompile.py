@@ -4,10 +4,11 @@ loads kernels instead of compiling them (~8-20 s of device time each):
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/precompile.py [--tests] [--grid] [--variants]
     bash bench/tlcache.sh pack        # then carry .cache/tl-ship.tar.xz (bench/tlcache.sh unpack there)
 
---tests: the kernels of tests/gpu/test_fwd.py (with the share_prep variants) and tests/gpu/test_prepare.py;
+--tests: the kernels of tests/gpu/test_fwd.py (with the switch variants) and tests/gpu/test_prepare.py;
 --grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0);
+--e2e: the kernels tests/gpu/test_e2e_gpu.py reaches through the public API (its head configs, input dtypes as
+beta's, fp32 h0, both state layouts, the q/k l2norm kernel);
 --variants: bench/fwd_variants.py's builds and the timeline builds (profile_fwd.py, profile_prepare.py).
-test_e2e_gpu.py and test_l2norm.py go through the public API; their kernels still compile on the GPU machine.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _timed(label, fn):
 def tests():
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
     from test_fwd import CASES as FWD_CASES
-    from test_fwd import SHARE_CASES
+    from test_fwd import SWITCH_SETS, VARIANT_CASES
     from test_prepare import CASES as PREP_CASES
 
     from flashdelta.kernels import fused_fwd, prepare
@@ -40,16 +41,33 @@ def tests():
         args = fused_fwd.builder_args(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h0_dtype, c.K ** -0.5, c.h0,
                                       c.state_v_first)
         _timed(f"chunk_fwd {c.name}", lambda: fused_fwd.build(args))
-        if c in SHARE_CASES:
-            _timed(f"chunk_fwd {c.name} share_prep", lambda: fused_fwd.build(args, share_prep=True))
+        if c in VARIANT_CASES:
+            for name, switches in SWITCH_SETS.items():
+                _timed(f"chunk_fwd {c.name} {name}", lambda: fused_fwd.build(args, **switches))
     for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype) for c in PREP_CASES):
         _timed(f"prepare_fwd {args[:3]}", lambda: prepare.build_fwd(args))
+
+
+def e2e():
+    import torch
+
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
+    from test_e2e_gpu import PAIRS
+
+    import flashdelta
+
+    for dtype in dict.fromkeys(d for _, d in PAIRS):
+        heads = sorted({(c.H, c.HV) for c, d in PAIRS if d == dtype})
+        _timed(f"e2e {dtype} heads {heads}", lambda: flashdelta.warmup(
+            heads, dtype=dtype, beta_dtype=dtype, initial_state=(False, True), state_v_first=(False, True),
+            progress=False))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--variants", action="store_true")
     a = ap.parse_args()
     if not os.environ.get("TILELANG_CACHE_DIR"):
@@ -62,6 +80,8 @@ def main():
         subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32"], check=True)
     if a.tests:
         tests()
+    if a.e2e:
+        e2e()
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ WAIT_ON = {
 
 
 WHAT = {
-    "s.vd_issued": "S -> bf16 copy, Vd GEMMs issued, state scaled by e_L",
+    "s.vd_issued": "S -> bf16, (Y = S0^T K^T, wait, Y -> bf16,) Vd GEMMs issued, state scaled",
     "s.fin_begin": "loop top", "s.fin_end": "O scaled by dq, O += Vd Pg^T issued",
     "s.released": "empty/pout_empty arrives", "s.o_staged": "O^T -> o_s (transposed), o_full arrive",
     "p.begin": "loop top", "p.qk_issued": "Q K^T issued, A tile and g/beta to registers",
-    "p.stored": "Xn GEMM issued, Ag/Pg/r/dq/e_L stored", "p.done": "Xn -> bf16 -> xn_s, fence, prep_done arrive",
+    "p.stored": "(Xn GEMM issued,) Ae/Ag/Pg/r/dq/e_L stored", "p.done": "(Xn -> bf16 -> xn_s,) fence, prep_done arrive",
     "l.begin": "loop top", "l.va_issued": "v/A TMA issued",
     "l.issued": "q/k TMA issued, full arrive", "w.begin": "loop top", "w.stored": "o rows to global, o_empty arrive",
 }
@@ -267,7 +267,8 @@ def main():
     ap.add_argument("--plain-order", action="store_true", help="profile the overlap=False state WG order")
     ap.add_argument("--early-release", type=int, choices=(0, 1), default=None,
                     help="override the launcher's early release (default: fused_fwd.EARLY_RELEASE)")
-    ap.add_argument("--share-prep", action="store_true", help="the experimental 2-CTA cluster variant")
+    ap.add_argument("--xn-in-prep", type=int, choices=(0, 1), default=None,
+                    help="override where W S0 is formed (default: fused_fwd.XN_IN_PREP)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-plain", action="store_true", help="skip compiling/timing the uninstrumented kernel")
     args = ap.parse_args()
@@ -282,9 +283,10 @@ def main():
     T = args.tokens
     NT = (T + 63) // 64
     early = ff.EARLY_RELEASE if args.early_release is None else bool(args.early_release)
+    xn = ff.XN_IN_PREP if args.xn_in_prep is None else bool(args.xn_in_prep)
     print(f"device {torch.cuda.get_device_name()} | H={H} HV={HV} K=V=128 T={T} ({NT} chunks), "
           f"{(HV * 128 // ff.BLOCK_V)} CTAs | overlap={not args.plain_order} early_release={early} "
-          f"share_prep={args.share_prep}",
+          f"xn_in_prep={xn}",
           flush=True)
     q, k, v, gc, beta, A, h0, cu = make_inputs(T, H, HV)
     scale = 128 ** -0.5
@@ -292,7 +294,7 @@ def main():
     t0 = time.time()
     if not args.no_plain:
         o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, **kw)
-    prof_kw = dict(kw, overlap=not args.plain_order, early_release=early, share_prep=args.share_prep)
+    prof_kw = dict(kw, overlap=not args.plain_order, early_release=early, xn_in_prep=xn)
     o, ht, tl = ff.chunk_fwd_profiled(q, k, v, gc, beta, A, h0, cu, **prof_kw)
     torch.cuda.synchronize()
     print(f"compiled + first calls in {time.time() - t0:.1f} s", flush=True)
@@ -300,7 +302,7 @@ def main():
     # time the kernels alone (the launchers also allocate outputs; the profiled one zero-fills its timeline)
     args_plain = ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, scale, True, False)
     k_prof = ff.build(args_plain, overlap=prof_kw["overlap"], early_release=early, profile=True,
-                      share_prep=args.share_prep)
+                      xn_in_prep=xn)
     bufs, pbuf = (torch.empty_like(o), torch.empty_like(ht)), torch.zeros_like(tl)
     ms_prof = cuda_time(lambda: k_prof(q, k, v, gc, beta, A, h0, cu, *bufs, pbuf), args.reps)
     ms_plain = float("nan")

@@ -73,11 +73,12 @@ def test_l2norm_compiles(K, dtype):
     assert not divergent_syncs(src)
 
 
-def test_share_prep_variant_compiles():
-    """The experimental 2-CTA cluster variant: distributed shared memory (mapa, bulk copies into the peer,
-    remote mbarrier arrivals), cluster barriers at start and end; the launcher's kernel has none of it."""
-    src = fused_fwd.build(VARIANTS["bf16-gva2-h0"], share_prep=True).get_kernel_source()
-    assert src.count("fd_bulk_to_peer(") >= 3 and "fd_arrive_peer(" in src and "fd_expect_tx(" in src
-    assert src.count("fd_cluster_sync();") == 2
-    plain = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    assert "mapa" not in plain and "fd_cluster_sync();" not in plain
+def test_xn_in_prep_switch():
+    """Where W S0 is formed: by default the state warpgroup computes Y = S0^T K^T and Vd^T += Y Ae^T (the prep
+    warpgroup stores the 64 x 64 Ae); xn_in_prep=True moves the 64 x K product Xn = Ae K into the prep warpgroup."""
+    default = fused_fwd.build(VARIANTS["bf16-gva2-h0"], xn_in_prep=False).get_kernel_source()
+    moved = fused_fwd.build(VARIANTS["bf16-gva2-h0"], xn_in_prep=True).get_kernel_source()
+    assert "ae_s" in default and "xn_s" not in default and "y_f" in default
+    assert "xn_s" in moved and "ae_s" not in moved and "y_f" not in moved
+    for src in (default, moved):
+        assert src.count("__syncthreads()") == 1

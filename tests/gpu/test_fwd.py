@@ -69,10 +69,7 @@ def _run(x):
                                x["cu_seqlens"], scale=x["scale"], state_v_first=x["state_v_first"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_chunk_fwd(case):
-    x = _inputs(case)
-    o, ht = _run(x)
+def _check(case, x, o, ht):
     args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"], x["cu_seqlens"])
     kw = dict(scale=x["scale"], state_v_first=case.state_v_first)
     ro, rh = ref.chunk_fwd(*args, **kw)
@@ -88,6 +85,13 @@ def test_chunk_fwd(case):
     if empty.any():
         want = x["initial_state"][empty].float() if case.h0 else torch.zeros_like(ht[empty])
         assert torch.equal(ht[empty], want), "an empty sequence's final state is its initial state"
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_chunk_fwd(case):
+    x = _inputs(case)
+    o, ht = _run(x)
+    _check(case, x, o, ht)
 
 
 def test_chunk_fwd_many_sequences():
@@ -175,16 +179,17 @@ def test_offsets_past_2_31_elements():
     assert torch.isfinite(o_big[:, :T0]).all()
 
 
-# share_prep (experimental 2-CTA cluster variant): the two V slices split the prep work; every value it computes
-# is formed by the same operations in the same order as the default kernel, so the outputs must be bit-identical.
-SHARE_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]   # ragged edges + padding, fp16/no h0/v-first, GVA4, V=256
+# The builder's development switches (fused_fwd.SWITCHES) other than the launcher's: each build is a complete
+# kernel and is held to the same reference checks (ragged edges + padding, fp16/no h0/v-first, GVA4, V=256).
+VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
+SWITCH_SETS = {"xn-in-prep": {"xn_in_prep": not fused_fwd.XN_IN_PREP}, "plain-order": {"overlap": False}}
 
 
-@pytest.mark.parametrize("case", SHARE_CASES, ids=str)
-def test_chunk_fwd_share_prep_matches_default(case):
+@pytest.mark.parametrize("switches", list(SWITCH_SETS))
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=str)
+def test_chunk_fwd_variant(case, switches):
     x = _inputs(case)
-    o, ht = _run(x)
-    so, sh = fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
-                                         x["initial_state"], x["cu_seqlens"], scale=x["scale"],
-                                         state_v_first=x["state_v_first"], share_prep=True)
-    assert torch.equal(so, o) and torch.equal(sh, ht)
+    o, ht = fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
+                                        x["initial_state"], x["cu_seqlens"], scale=x["scale"],
+                                        state_v_first=x["state_v_first"], **SWITCH_SETS[switches])
+    _check(case, x, o, ht)

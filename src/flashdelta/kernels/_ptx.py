@@ -60,33 +60,3 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 }
 """
 STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
-# share_prep (2-CTA cluster, see `_build_chunk_fwd`): distributed shared memory between the two CTAs of a cluster.
-# Addresses are this CTA's; `mapa` turns them into the peer's copy of the same variable.
-CLUSTER_PRELUDE = r"""
-__device__ __forceinline__ unsigned fd_peer_addr(const void* p, unsigned peer) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-  return r;
-}
-// one arrival on the peer CTA's mbarrier (release at cluster scope: this thread's prior accesses come first)
-__device__ __forceinline__ void fd_arrive_peer(void* bar, unsigned peer) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(fd_peer_addr(bar, peer))
-               : "memory");
-}
-// bytes the local mbarrier's current phase must also receive (from the peer's bulk copy) before it completes
-__device__ __forceinline__ void fd_expect_tx(void* bar, unsigned bytes) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(bytes) : "memory");
-}
-// bulk copy of `bytes` from this CTA's shared memory at src to the peer's copy of dst; completes as transaction
-// bytes on the peer's copy of bar
-__device__ __forceinline__ void fd_bulk_to_peer(void* dst, const void* src, unsigned bytes, void* bar,
-                                                unsigned peer) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(fd_peer_addr(dst, peer)), "r"(s), "r"(bytes), "r"(fd_peer_addr(bar, peer)) : "memory");
-}
-__device__ __forceinline__ void fd_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-"""

@@ -1,25 +1,28 @@
 """Fused chunked GDN forward (Hopper, TileLang): o and the final state in one launch.
 
-docs/fused_fwd.md has the barrier table, the share_prep protocol and the per-chunk cost model.
+docs/fused_fwd.md has the barrier table, the per-chunk cost model and what has been measured.
 
 One CTA walks every chunk of one (sequence, value head, V slice) with the state in fp32 registers. Per chunk
 (docs/stages.md notation, C = BT = 64, S0 the state entering the chunk, the state held transposed as
 ``S^T [BV, K]`` so that it is the register A operand of every GEMM that reads it):
 
     Ag  = (A o Gamma) diag(beta)                         state-independent, "prep" warpgroup
-    Xn  = -diag(exp G) (A o beta_j) K                    state-independent, "prep"
+    Ae  = -diag(exp G) (A o beta_j)                      state-independent, "prep"
     Pg  = scale * Gamma o (Q K^T)                        state-independent, "prep"
-    Vd^T = V^T Ag^T + S0^T Xn^T                          = (Ag (V - D K S0))^T, "state" warpgroup
+    Y    = S0^T K^T                                      "state" warpgroup
+    Vd^T = V^T Ag^T + Y Ae^T                             = (Ag (V - D K S0))^T, "state"
     O^T  = diag-scaled (S0^T Q^T) + Vd^T Pg^T            "state"
     S1^T = exp(G_last) S0^T + (Vd^T diag(R)) K           "state"
 
-The serial chain S0 -> Vd -> S1 is two register-A wgmma groups and one fp32->bf16 conversion: no shared-memory
-round trip. Warp roles (384 threads):
+The serial chain S0 -> Y -> Vd -> S1 is three register-A wgmma groups and fp32->bf16 conversions: no
+shared-memory round trip. (Switch `xn_in_prep`: the prep warpgroup computes Xn = Ae K and the state warpgroup
+Vd^T = V^T Ag^T + S0^T Xn^T, a chain one GEMM shorter but 64 x 128 x 64 more prep work per chunk.) Warp roles
+(384 threads):
 
-- WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's Vd GEMMs and the S -> bf16
-  conversion run under chunk c's tail), then O^T -> o_shared for the store warp (packed conversion and
-  stmatrix.trans; rows padded).
-- WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Xn, and the per-row scalars R,
+- WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's V^T Ag^T and the S -> bf16
+  conversion run under chunk c's tail, chunk c's o staging under chunk c+1's last Vd GEMM), then O^T -> o_shared
+  for the store warp (packed conversion and stmatrix.trans; rows padded).
+- WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
   slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte
@@ -31,10 +34,6 @@ shared-memory write by ordinary stores that wgmma or TMA reads next is followed 
 CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
 that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
 Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
-
-Experimental (builder `share_prep=True`, off in the launcher until measured on a GPU): the two V slices of a
-(sequence, value head) run as a 2-CTA cluster and split the prep warpgroup's work, exchanging Pg and Xn through
-distributed shared memory (see `_build_chunk_fwd`); `chunk_fwd_variant` runs it.
 
 Development tool: `chunk_fwd_profiled` runs a separately compiled variant (builder `profile=True`) in which one thread
 per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py prints the per-role timeline.
@@ -59,11 +58,13 @@ OVERLAP = True          # software-pipelined state warpgroup (False: the plain p
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
 EARLY_RELEASE = True
-# The 2-CTA cluster variant (docs/fused_fwd.md); used where V / 64 is even once it has been measured on a GPU.
-SHARE_PREP = False
+# Where W S0 is formed. False (default): the state warpgroup computes Y = S0^T K^T and Vd^T += Y Ae^T, so the prep
+# warpgroup only stores Ae = -diag(exp G) (A o beta_j) (8 KB per chunk). True: the prep warpgroup computes
+# Xn = Ae K [BT, K] (a 64 x 128 x 64 GEMM) and the state warpgroup Vd^T += S0^T Xn^T (the c2ee081-f808287 kernel).
+XN_IN_PREP = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all four positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "share_prep")
+SWITCHES = ("overlap", "early_release", "profile", "xn_in_prep")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -78,16 +79,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, share_prep: bool = False):
+                     profile: bool = False, xn_in_prep: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    share_prep=True (experimental, needs an even V / 64): the two V slices of a (sequence, value head) run as a
-    2-CTA cluster and split the state-independent prep work instead of both doing all of it. Rank 0 computes
-    P = Q K^T and sends Pg to its peer, rank 1 computes Xn and sends it to its peer (bulk copies into the
-    peer's shared memory, completing on the peer's prep_done barrier); both form Ag locally. Each state
-    warpgroup releases the xn/pg buffers to both preps (pout_empty counts the peer's arrival too).
-
-    profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    xn_in_prep: where W S0 is formed (see `XN_IN_PREP`). profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -97,8 +92,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     NS = NUM_STAGES
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
-    assert not share_prep or NV % 2 == 0, "share_prep pairs the V slices of a value head"
-    XN_BYTES, PG_BYTES = BT * K * 2, BT * BT * 2
 
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
@@ -127,20 +120,25 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def release_peer(pout_empty, pb, tx, peer):
-        # share_prep: the peer's prep also writes this CTA's xn/pg buffer pb; one arrival once all 128 state
-        # threads are past the GEMMs that read it
-        if share_prep:
-            T.sync_threads(2, 128)
-            if tx == 0:
-                T.call_extern("handle", "fd_arrive_peer", T.address_of(pout_empty[pb]), peer)
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s):
+        # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j); then s_f <- e_L S0^T (S1's first term).
+        # On entry S0^T is in s_f and at most the V^T Ag^T group is pending; on exit the last Vd GEMM is pending.
+        T.copy(s_f, sb_f)
+        if xn_in_prep:
+            T.wgmma_gemm(sb_f, xn_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += S0^T Xn^T
+            scale_state(s_f, el_s, pb)
+        else:
+            T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
+            scale_state(s_f, el_s, pb)
+            T.wait_wgmma(0)
+            T.copy(y_f, yb_f)
+            T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer):
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
-        release_peer(pout_empty, c % 2, tx, peer)
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
@@ -188,22 +186,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def send_to_peer(buf, pb, nbytes, prep_done, peer, tx):
-        # share_prep: after this WG's generic stores to buf[pb], copy it into the peer's buf[pb]; the bytes land as
-        # transactions on the peer's prep_done[pb] (which its prep announced with expect_tx)
-        T.fence_proxy_async()
-        T.sync_threads(1, 128)
-        if tx == 128:
-            T.call_extern("handle", "fd_bulk_to_peer", T.address_of(buf[pb, 0, 0]), T.address_of(buf[pb, 0, 0]),
-                          nbytes, T.address_of(prep_done[pb]), peer)
-
-    @T.macro
-    def prep_loop(do_p, do_x, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
-                  q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
-                  p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f):
-        # The prep warpgroup, one chunk ahead of the state warpgroup. do_p: P = Q K^T -> Pg; do_x: Xn. Without
-        # share_prep one warpgroup does both; with it, rank 0 does P and rank 1 does X, each sends its product to
-        # the peer and receives the other (both form Ag and the row scalars locally).
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, xn_s, ae_s, pg_s,
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f):
+        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae (or Xn) and the row scalars.
         for c in T.serial(NT):
             st = c % NS
             pb = c % 2
@@ -211,59 +196,46 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             mark(c, "p.begin")
             wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
             mark(c, "p.full")
-            if do_p:
-                # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
             T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
             mark(c, "p.pout")
-            if share_prep:
-                if tx == 128:   # the peer's product lands on prep_done[pb] as transaction bytes
-                    T.call_extern("handle", "fd_expect_tx", T.address_of(prep_done[pb]),
-                                  XN_BYTES if do_p else PG_BYTES)
-            if do_p:
-                T.wait_wgmma(0)
-                mark(c, "p.qk_done")
+            T.wait_wgmma(0)
+            mark(c, "p.qk_done")
             # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above the
             # diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros above the
             # diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past the
-            # end. Xn's row factor -exp(G_i) goes into its A operand.
+            # end. Ae's row factor -exp(G_i) is applied here.
             for i, j in T.Parallel(BT, BT):
                 gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
                 ab = T.cast(a_f[i, j], acc) * bj_f[j]
                 ag32_f[i, j] = ab * gam
-                if do_x:
-                    ab32_f[i, j] = ab * ei_f[i]
-                if do_p:
-                    p_f[i, j] = p_f[i, j] * gam * scale
-            if do_x:
-                T.copy(ab32_f, ab_f)
+                ab32_f[i, j] = ab * ei_f[i]
+                p_f[i, j] = p_f[i, j] * gam * scale
+            T.copy(ab32_f, ab_f)
             T.copy(ag32_f, ag_f)
-            if do_p:
-                T.copy(p_f, pgb_f)
+            T.copy(p_f, pgb_f)
             mark(c, "p.ew_done")
-            if do_x:
-                # Xn = -diag(exp G) (A o beta_j) K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
+            if xn_in_prep:
+                # Xn = Ae K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
                 T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
+            else:
+                T.copy(ab_f, ae_s[pb, :, :])
             T.copy(ag_f, a_s[st, :, :])
-            if do_p:
-                T.copy(pgb_f, pg_s[pb, :, :])
+            T.copy(pgb_f, pg_s[pb, :, :])
             row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             mark(c, "p.stored")
-            if do_x:
+            if xn_in_prep:
                 T.wait_wgmma(0)
                 mark(c, "p.xn_done")
                 T.copy(xn_f, xnb_f)
                 T.copy(xnb_f, xn_s[pb, :, :])
-            if share_prep:
-                if do_p:
-                    send_to_peer(pg_s, pb, PG_BYTES, prep_done, peer, tx)
-                else:
-                    send_to_peer(xn_s, pb, XN_BYTES, prep_done, peer, tx)
             else:
-                T.fence_proxy_async()
+                mark(c, "p.xn_done")
+            T.fence_proxy_async()
             T.barrier_arrive(prep_done[pb])
             mark(c, "p.done")
 
@@ -281,17 +253,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + (_ptx.CLUSTER_PRELUDE if share_prep else "") + \
-            (_ptx.PROF_PRELUDE if profile else "")
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude,
-                      cluster_dims=2 if share_prep else None) as bx:
+        prelude = _ptx.STAGE_O_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
             v0 = i_v * BV
-            rank = bx % 2                 # share_prep: rank in the 2-CTA cluster (consecutive CTAs pair up)
-            peer = 1 - rank
 
             # ---- shared memory: input ring, prep outputs, o staging ----
             q_s = T.alloc_shared((NS, BT, K), dtype)
@@ -300,7 +268,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
-            xn_s = T.alloc_shared((2, BT, K), dtype)
+            # W's factor from the prep WG: Xn = Ae K [BT, K] (xn_in_prep) or Ae [BT, BT]
+            xn_s = T.alloc_shared((2, BT, K), dtype) if xn_in_prep else None
+            ae_s = None if xn_in_prep else T.alloc_shared((2, BT, BT), dtype)
             pg_s = T.alloc_shared((2, BT, BT), dtype)
             r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
             dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
@@ -311,14 +281,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
-            pout_empty = T.alloc_barrier([128 + share_prep] * 2)  # state WG(s) release xn/pg/r/dq
+            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae (xn)/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
             mark = marker(profile, prof, bx, tx)
-            if share_prep:
-                T.call_extern("handle", "fd_cluster_sync")   # the peer's barriers are initialised
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -346,6 +314,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     vdr_f = T.alloc_fragment((BV, BT), dtype)
                     vdb_f = T.alloc_fragment((BV, BT), dtype)
                     o_f = T.alloc_fragment((BV, BT), acc)       # O^T
+                    y_f = None if xn_in_prep else T.alloc_fragment((BV, BT), acc)     # Y = S0^T K^T
+                    yb_f = None if xn_in_prep else T.alloc_fragment((BV, BT), dtype)
                     mark.cal("m.clk0")
                     if profile:
                         # an ordinary TIR store, so TileLang passes `prof` as a writable pointer
@@ -369,11 +339,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(0, "s.full")
                             T.barrier_wait(prep_done[0], 0)
                             mark(0, "s.prep")
-                            T.copy(s_f, sb_f)
-                            scale_state(s_f, el_s, 0)
                             T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            T.wgmma_gemm(sb_f, xn_s[0, :, :], vd_f, transpose_B=True)
+                            issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
                             mark(0, "s.vd_issued")
                             T.wait_wgmma(0)
                             mark(0, "s.vd_done")
@@ -394,11 +362,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
-                                T.copy(s_f, sb_f)
-                                T.wgmma_gemm(sb_f, xn_s[pb1, :, :], vd_f, transpose_B=True)
-                                scale_state(s_f, el_s, pb1)
+                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
@@ -409,7 +375,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(NT - 1, "s.tail")
-                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                     else:
                         for c in T.serial(NT):
                             st = c % NS
@@ -418,15 +384,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.full")
                             T.barrier_wait(prep_done[pb], (c // 2) % 2)
                             mark(c, "s.prep")
-                            T.copy(s_f, sb_f)
-                            # Vd^T = V^T Ag^T + S0^T Xn^T ; O^T = S0^T Q^T
+                            # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            T.wgmma_gemm(sb_f, xn_s[pb, :, :], vd_f, transpose_B=True)
+                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
                             T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
-                            el = el_s[pb, 0]
-                            for i, j in T.Parallel(BV, K):
-                                s_f[i, j] = s_f[i, j] * el
                             mark(c, "s.vd_issued")
                             T.wait_wgmma(1)
                             mark(c, "s.vd_done")
@@ -449,7 +411,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.tail")
                             T.barrier_arrive(empty[st])
                             T.barrier_arrive(pout_empty[pb])
-                            release_peer(pout_empty, pb, tx, peer)
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
@@ -475,27 +436,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     pgb_f = T.alloc_fragment((BT, BT), dtype)
                     ag32_f = T.alloc_fragment((BT, BT), acc)
                     ab32_f = T.alloc_fragment((BT, BT), acc)
-                    xnb_f = T.alloc_fragment((BT, K), dtype)
-                    xn_f = T.alloc_fragment((BT, K), acc)
+                    xnb_f = T.alloc_fragment((BT, K), dtype) if xn_in_prep else None
+                    xn_f = T.alloc_fragment((BT, K), acc) if xn_in_prep else None
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
-                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of xn_f
-                    if share_prep:
-                        if rank == 0:
-                            # P role: Q K^T -> Pg (sent to the peer) and Ag; receives Xn
-                            prep_loop(True, False, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
-                                      q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
-                                      p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
-                        else:
-                            # X role: Xn (sent to the peer) and Ag; receives Pg
-                            prep_loop(False, True, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
-                                      q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
-                                      p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
-                    else:
-                        prep_loop(True, True, NT, bos, eos, tx, peer, mark, full, pout_empty, prep_done,
-                                  q_s, k_s, v_s, a_s, g_s, b_s, xn_s, pg_s, r_s, dq_s, el_s,
-                                  p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f)
+                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, xn_s,
+                              ae_s, pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f,
+                              gi_f, gj_f, bj_f, ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -547,9 +496,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                             T.barrier_arrive(full[st])
-            if share_prep:
-                # no CTA leaves while its peer may still arrive on its barriers
-                T.call_extern("handle", "fd_cluster_sync")
 
     return chunk_fwd_kernel
 
@@ -558,9 +504,9 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
                  h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
     """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. The last
     `len(SWITCHES)` entries are the launcher's switch values."""
-    share = SHARE_PREP and (V // BLOCK_V) % 2 == 0
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
-            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False, share)
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
+            XN_IN_PREP)
 
 
 def build(args: tuple, **switches):
@@ -598,7 +544,7 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
     ``c < PROF_CHUNKS``; row 0 also holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's
     start and end, and NT). One designated thread per role records, so the cost is a predicate per event
     elsewhere; the profiled kernel is a separate compile (`profile=True` in the builder), the plain kernel is
-    untouched. ``flags`` override other `SWITCHES` (overlap, early_release, share_prep; default: the launcher's).
+    untouched. ``flags`` override other `SWITCHES` (overlap, early_release, xn_in_prep; default: the launcher's).
     bench/profile_fwd.py turns the timeline into per-role tables.
     """
     return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
@@ -607,8 +553,8 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
 
 def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                       chunk_size=64, **flags):
-    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release, share_prep), for
-    A/B runs (bench/fwd_variants.py, the share_prep GPU test). Returns (o, final_state)."""
+    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release, xn_in_prep), for
+    A/B runs (bench/fwd_variants.py, tests/gpu/test_fwd.py). Returns (o, final_state)."""
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))
     return o, ht

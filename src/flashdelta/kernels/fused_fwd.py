@@ -25,8 +25,8 @@ Vd^T = V^T Ag^T + S0^T Xn^T, a chain one GEMM shorter but 64 x 128 x 64 more pre
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
-  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o from shared memory with 16-byte
-  stores.
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o rows from shared memory to global
+  with bulk async copies (cp.async.bulk, one 128-byte row each).
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -144,6 +144,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         mark(c, "s.o_empty")
         # packed conversion + stmatrix.trans (16 cvt and 4 stmatrix per thread, not 32 + 32 scalar transposed stores)
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
+        T.fence_proxy_async()   # the store warp's bulk copies read o_s through the async proxy
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
 
@@ -253,7 +254,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
@@ -416,6 +417,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.o_empty")
                             T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data,
                                           pb * (BT * (BV + 8)), BV + 8, tx)
+                            T.fence_proxy_async()
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")
                     if store_final_state:
@@ -476,9 +478,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "w.begin")
                             T.barrier_wait(o_full[pb], (c // 2) % 2)
                             mark(c, "w.o_full")
-                            for i, j in T.Parallel(BT, BV):
-                                if i < ln:
-                                    o[0, T.cast(t0 + i, "int64"), i_hv, v0 + j] = o_s[pb, i, j]
+                            # rows < ln by the bulk-copy engine (128 bytes each); returns once o_s[pb] has been read
+                            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
+                                          T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, (BV + 8) * 2, BV * 2, tx - 288)
                             T.barrier_arrive(o_empty[pb])
                             mark(c, "w.stored")
                     elif tx < 352:

@@ -32,6 +32,7 @@ def test_compiles_warp_specialized(name):
     assert "warpgroup_reg_alloc" in src and "warpgroup_reg_dealloc" in src   # setmaxnreg
     assert "tma_load" in src and "expect_transaction" in src  # producer: TMA on mbarriers
     assert "fence_proxy_async" in src
+    assert "tl::tma_store(" in src and "fd_store_rows(" in src  # full chunks by TMA, a ragged last one by the warp
     # role branches synchronise only through mbarriers: the one block-wide barrier follows mbarrier init
     assert src.count("__syncthreads()") == 1
 

@@ -25,8 +25,8 @@ Vd^T = V^T Ag^T + S0^T Xn^T, a chain one GEMM shorter but 64 x 128 x 64 more pre
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
-  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 copies o rows from shared memory to global
-  with bulk async copies (cp.async.bulk, one 128-byte row each).
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o: one TMA store per full chunk
+  (`TMA_STORE`), 16-byte vectors for a sequence's ragged last chunk (the per-element TileLang loop paced the kernel).
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -42,6 +42,7 @@ per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py p
 import tilelang
 import tilelang.language as T
 import torch
+from tilelang.layout import make_swizzled_layout
 
 from . import _ptx, _tl
 from ._fwd_timeline import PROF_CHUNKS, PROF_CTAS, PROF_EVENTS, PROF_INDEX, marker
@@ -62,9 +63,12 @@ EARLY_RELEASE = True
 # warpgroup only stores Ae = -diag(exp G) (A o beta_j) (8 KB per chunk). True: the prep warpgroup computes
 # Xn = Ae K [BT, K] (a 64 x 128 x 64 GEMM) and the state warpgroup Vd^T += S0^T Xn^T (the c2ee081-f808287 kernel).
 XN_IN_PREP = False
+# o leaves shared memory by one TMA store per full chunk (o_s under the 128B swizzle); ragged last chunks, and every
+# chunk with False, by the store warp's 16-byte loads and stores (o_s rows padded).
+TMA_STORE = True
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
-# `build` overrides them by name (always passing all four positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "xn_in_prep")
+# `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
+SWITCHES = ("overlap", "early_release", "profile", "xn_in_prep", "tma_store")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -79,10 +83,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, xn_in_prep: bool = False):
+                     profile: bool = False, xn_in_prep: bool = False, tma_store: bool = True):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    xn_in_prep: where W S0 is formed (see `XN_IN_PREP`). profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    xn_in_prep: where W S0 is formed (see `XN_IN_PREP`); tma_store: see `TMA_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -93,6 +97,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
+    O_LD = BV if tma_store else BV + 8   # o_s row length in elements
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
@@ -135,6 +140,14 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
+    def stage_o(pb, o_f, o_s, tx):
+        # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread); a TMA store reads it
+        # through the async proxy
+        T.call_extern("handle", _ptx.STAGE_O[dtype, tma_store], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
+        if tma_store:
+            T.fence_proxy_async()
+
+    @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
@@ -143,8 +156,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
         # packed conversion + stmatrix.trans (16 cvt and 4 stmatrix per thread, not 32 + 32 scalar transposed stores)
-        T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, (c % 2) * (BT * (BV + 8)), BV + 8, tx)
-        T.fence_proxy_async()   # the store warp's bulk copies read o_s through the async proxy
+        stage_o(c % 2, o_f, o_s, tx)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
 
@@ -276,7 +288,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
             dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
-            o_s = T.alloc_shared((2, BT, BV + 8), dtype)  # o staging, rows padded: conflict-free transposed writes
+            # o staging: 128B-swizzled for the TMA store, else rows padded (both: conflict-free transposed writes)
+            o_s = T.alloc_shared((2, BT, O_LD), dtype)
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
@@ -288,6 +301,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
             tx = T.get_thread_binding()
             mark = marker(profile, prof, bx, tx)
+            if tma_store:
+                T.annotate_layout({o_s: make_swizzled_layout(o_s)})
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -415,9 +430,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.released")
                             T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
                             mark(c, "s.o_empty")
-                            T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data,
-                                          pb * (BT * (BV + 8)), BV + 8, tx)
-                            T.fence_proxy_async()
+                            stage_o(pb, o_f, o_s, tx)
                             T.barrier_arrive(o_full[pb])
                             mark(c, "s.o_staged")
                     if store_final_state:
@@ -478,9 +491,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "w.begin")
                             T.barrier_wait(o_full[pb], (c // 2) % 2)
                             mark(c, "w.o_full")
-                            # rows < ln by the bulk-copy engine (128 bytes each); returns once o_s[pb] has been read
-                            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
-                                          T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, (BV + 8) * 2, BV * 2, tx - 288)
+                            if tma_store and ln == BT:
+                                T.copy(o_s[pb, :, :], o[0, t0:t0 + BT, i_hv, v0:v0 + BV])   # one lane, TMA
+                            else:   # rows < ln only (the next sequence or the padding tail follows)
+                                T.call_extern("handle", "fd_store_rows",
+                                              T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
+                                              T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tma_store, tx - 288)
                             T.barrier_arrive(o_empty[pb])
                             mark(c, "w.stored")
                     elif tx < 352:
@@ -508,7 +524,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            XN_IN_PREP)
+            XN_IN_PREP, TMA_STORE)
 
 
 def build(args: tuple, **switches):

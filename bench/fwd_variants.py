@@ -23,8 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
-    "xn-in-prep": {"xn_in_prep": True},
-    "loop-store": {"tma_store": False},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
 # (timing only, A is wrong)

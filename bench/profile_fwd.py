@@ -267,8 +267,6 @@ def main():
     ap.add_argument("--plain-order", action="store_true", help="profile the overlap=False state WG order")
     ap.add_argument("--early-release", type=int, choices=(0, 1), default=None,
                     help="override the launcher's early release (default: fused_fwd.EARLY_RELEASE)")
-    ap.add_argument("--xn-in-prep", type=int, choices=(0, 1), default=None,
-                    help="override where W S0 is formed (default: fused_fwd.XN_IN_PREP)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-plain", action="store_true", help="skip compiling/timing the uninstrumented kernel")
     args = ap.parse_args()
@@ -283,26 +281,22 @@ def main():
     T = args.tokens
     NT = (T + 63) // 64
     early = ff.EARLY_RELEASE if args.early_release is None else bool(args.early_release)
-    xn = ff.XN_IN_PREP if args.xn_in_prep is None else bool(args.xn_in_prep)
     print(f"device {torch.cuda.get_device_name()} | H={H} HV={HV} K=V=128 T={T} ({NT} chunks), "
-          f"{(HV * 128 // ff.BLOCK_V)} CTAs | overlap={not args.plain_order} early_release={early} "
-          f"xn_in_prep={xn}",
-          flush=True)
+          f"{(HV * 128 // ff.BLOCK_V)} CTAs | overlap={not args.plain_order} early_release={early}", flush=True)
     q, k, v, gc, beta, A, h0, cu = make_inputs(T, H, HV)
     scale = 128 ** -0.5
     kw = dict(scale=scale)
     t0 = time.time()
     if not args.no_plain:
         o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, **kw)
-    prof_kw = dict(kw, overlap=not args.plain_order, early_release=early, xn_in_prep=xn)
+    prof_kw = dict(kw, overlap=not args.plain_order, early_release=early)
     o, ht, tl = ff.chunk_fwd_profiled(q, k, v, gc, beta, A, h0, cu, **prof_kw)
     torch.cuda.synchronize()
     print(f"compiled + first calls in {time.time() - t0:.1f} s", flush=True)
 
     # time the kernels alone (the launchers also allocate outputs; the profiled one zero-fills its timeline)
     args_plain = ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, scale, True, False)
-    k_prof = ff.build(args_plain, overlap=prof_kw["overlap"], early_release=early, profile=True,
-                      xn_in_prep=xn)
+    k_prof = ff.build(args_plain, overlap=prof_kw["overlap"], early_release=early, profile=True)
     bufs, pbuf = (torch.empty_like(o), torch.empty_like(ht)), torch.zeros_like(tl)
     ms_prof = cuda_time(lambda: k_prof(q, k, v, gc, beta, A, h0, cu, *bufs, pbuf), args.reps)
     ms_plain = float("nan")

@@ -30,9 +30,7 @@ __device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
 # bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
 # t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
 # are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
-# kSwizzle: o_s is [BT, 64] with 128-byte rows under the 128B swizzle (16-byte chunk c of row t at chunk c ^ (t % 8);
-# TileLang's make_swizzled_layout and TMA's SWIZZLE_128B, base 1024-byte aligned): conflict-free without padding,
-# and a TMA store can read it. Otherwise rows are `ld` elements apart (padded).
+# o_s rows are `ld` elements apart (padded: the transposed writes are conflict-free).
 STAGE_O_PRELUDE = r"""
 template <bool kHalf>
 __device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
@@ -44,13 +42,11 @@ __device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
   }
   return r;
 }
-template <bool kHalf, bool kSwizzle>
+template <bool kHalf>
 __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, int off, int ld, int tx) {
   const int lane = tx & 31, m = lane >> 3;
-  const int chunk = (tx >> 5) * 2 + (m & 1);   // 16-byte column chunk (8 values of v) of this lane's matrix row
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(o_s)) + 2u * off + (kSwizzle
-      ? 128u * ((lane & 7) + (m >> 1) * 8) + 16u * (chunk ^ (lane & 7))
-      : 2u * ((lane & 7) * ld + chunk * 8 + (m >> 1) * 8 * ld));
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(o_s)) +
+      2u * (off + (lane & 7) * ld + (tx >> 5) * 16 + (m & 1) * 8 + (m >> 1) * 8 * ld);
   #pragma unroll
   for (int n = 0; n < 8; n += 2) {
     unsigned r[4];
@@ -64,23 +60,22 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
   }
 }
 """
-STAGE_O = {(dtype, swz): f"fd_stage_o_trans<{str(dtype == 'float16').lower()}, {str(swz).lower()}>"
-           for dtype in ("bfloat16", "float16") for swz in (False, True)}
+STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
 
-# Always prepended: o rows [0, rows) of the staging buffer (64 values of 2 bytes, under the 128B swizzle when
-# `swizzled`, else `src_pitch` bytes apart) to global `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one
-# 16-byte load and store per lane and step. The store warp's TileLang loop it replaces spent ~1.6 us per 8 KB chunk
-# and paced the kernel; one cp.async.bulk per row was slower still (~2.8 us; NOTES-gpu.md session 4). With TMA
-# stores (fused_fwd `tma_store`) this only handles the ragged last chunk of a sequence.
+# Always prepended: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
+# to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and
+# step, addresses by adds. (The TileLang loop it replaces spent its time on 64-bit index arithmetic and bounds
+# predicates; one cp.async.bulk per row was much slower, ~43 ns per copy; a TMA tensor store per chunk was 1% slower
+# than this loop: NOTES-gpu.md session 4.)
 STORE_ROWS_PRELUDE = r"""
 __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int rows, long long dst_pitch,
-                                              int src_pitch, bool swizzled, int lane) {
+                                              int src_pitch, int lane) {
   const int c = lane & 7;
   const unsigned s0 = static_cast<unsigned>(__cvta_generic_to_shared(src));
   char* const d0 = static_cast<char*>(dst) + c * 16;
   #pragma unroll 2
   for (int r = lane >> 3; r < rows; r += 4) {
-    const unsigned s = s0 + (swizzled ? r * 128 + ((c ^ (r & 7)) << 4) : r * src_pitch + c * 16);
+    const unsigned s = s0 + r * src_pitch + c * 16;
     unsigned x0, x1, x2, x3;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3) : "r"(s)
                  : "memory");

@@ -15,8 +15,8 @@ One CTA walks every chunk of one (sequence, value head, V slice) with the state 
     S1^T = exp(G_last) S0^T + (Vd^T diag(R)) K           "state"
 
 The serial chain S0 -> Y -> Vd -> S1 is three register-A wgmma groups and fp32->bf16 conversions: no
-shared-memory round trip. (Switch `xn_in_prep`: the prep warpgroup computes Xn = Ae K and the state warpgroup
-Vd^T = V^T Ag^T + S0^T Xn^T, a chain one GEMM shorter but 64 x 128 x 64 more prep work per chunk.) Warp roles
+shared-memory round trip. (Until session 4 the prep warpgroup formed Xn = Ae K and the state warpgroup
+S0^T Xn^T: one GEMM fewer on the chain, a 64 x 128 x 64 GEMM more in the prep; measured within 1%.) Warp roles
 (384 threads):
 
 - WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's V^T Ag^T and the S -> bf16
@@ -25,8 +25,7 @@ Vd^T = V^T Ag^T + S0^T Xn^T, a chain one GEMM shorter but 64 x 128 x 64 more pre
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
-  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o: one TMA store per full chunk
-  (`TMA_STORE`), 16-byte vectors for a sequence's ragged last chunk (the per-element TileLang loop paced the kernel).
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop.
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -42,7 +41,6 @@ per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py p
 import tilelang
 import tilelang.language as T
 import torch
-from tilelang.layout import make_swizzled_layout
 
 from . import _ptx, _tl
 from ._fwd_timeline import PROF_CHUNKS, PROF_CTAS, PROF_EVENTS, PROF_INDEX, marker
@@ -59,16 +57,9 @@ OVERLAP = True          # software-pipelined state warpgroup (False: the plain p
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
 EARLY_RELEASE = True
-# Where W S0 is formed. False (default): the state warpgroup computes Y = S0^T K^T and Vd^T += Y Ae^T, so the prep
-# warpgroup only stores Ae = -diag(exp G) (A o beta_j) (8 KB per chunk). True: the prep warpgroup computes
-# Xn = Ae K [BT, K] (a 64 x 128 x 64 GEMM) and the state warpgroup Vd^T += S0^T Xn^T (the c2ee081-f808287 kernel).
-XN_IN_PREP = False
-# o leaves shared memory by one TMA store per full chunk (o_s under the 128B swizzle); ragged last chunks, and every
-# chunk with False, by the store warp's 16-byte loads and stores (o_s rows padded).
-TMA_STORE = True
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "xn_in_prep", "tma_store")
+SWITCHES = ("overlap", "early_release", "profile")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -83,10 +74,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, xn_in_prep: bool = False, tma_store: bool = True):
+                     profile: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    xn_in_prep: where W S0 is formed (see `XN_IN_PREP`); tma_store: see `TMA_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -97,7 +88,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
-    O_LD = BV if tma_store else BV + 8   # o_s row length in elements
+    O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
@@ -125,27 +116,21 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s):
-        # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j); then s_f <- e_L S0^T (S1's first term).
-        # On entry S0^T is in s_f and at most the V^T Ag^T group is pending; on exit the last Vd GEMM is pending.
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
+        # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
+        # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
+        # is pending; on exit the Y Ae^T group is pending.
         T.copy(s_f, sb_f)
-        if xn_in_prep:
-            T.wgmma_gemm(sb_f, xn_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += S0^T Xn^T
-            scale_state(s_f, el_s, pb)
-        else:
-            T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
-            scale_state(s_f, el_s, pb)
-            T.wait_wgmma(0)
-            T.copy(y_f, yb_f)
-            T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
+        T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
+        scale_state(s_f, el_s, pb)
+        T.wait_wgmma(0)
+        T.copy(y_f, yb_f)
+        T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
     def stage_o(pb, o_f, o_s, tx):
-        # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread); a TMA store reads it
-        # through the async proxy
-        T.call_extern("handle", _ptx.STAGE_O[dtype, tma_store], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
-        if tma_store:
-            T.fence_proxy_async()
+        # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread)
+        T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
@@ -199,9 +184,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, xn_s, ae_s, pg_s,
-                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f, gi_f, gj_f, bj_f, ei_f):
-        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae (or Xn) and the row scalars.
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
+        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
             pb = c % 2
@@ -232,22 +217,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             T.copy(ag32_f, ag_f)
             T.copy(p_f, pgb_f)
             mark(c, "p.ew_done")
-            if xn_in_prep:
-                # Xn = Ae K   [BT, BT] @ [BT, K]; Ag, Pg and the row scalars store under it
-                T.wgmma_gemm(ab_f, k_s[st, :, :], xn_f, clear_accum=True)
-            else:
-                T.copy(ab_f, ae_s[pb, :, :])
+            T.copy(ab_f, ae_s[pb, :, :])
             T.copy(ag_f, a_s[st, :, :])
             T.copy(pgb_f, pg_s[pb, :, :])
             row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             mark(c, "p.stored")
-            if xn_in_prep:
-                T.wait_wgmma(0)
-                mark(c, "p.xn_done")
-                T.copy(xn_f, xnb_f)
-                T.copy(xnb_f, xn_s[pb, :, :])
-            else:
-                mark(c, "p.xn_done")
             T.fence_proxy_async()
             T.barrier_arrive(prep_done[pb])
             mark(c, "p.done")
@@ -281,28 +255,23 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
-            # W's factor from the prep WG: Xn = Ae K [BT, K] (xn_in_prep) or Ae [BT, BT]
-            xn_s = T.alloc_shared((2, BT, K), dtype) if xn_in_prep else None
-            ae_s = None if xn_in_prep else T.alloc_shared((2, BT, BT), dtype)
+            ae_s = T.alloc_shared((2, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
             pg_s = T.alloc_shared((2, BT, BT), dtype)
             r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
             dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
-            # o staging: 128B-swizzled for the TMA store, else rows padded (both: conflict-free transposed writes)
-            o_s = T.alloc_shared((2, BT, O_LD), dtype)
+            o_s = T.alloc_shared((2, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
-            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae (xn)/pg/r/dq
+            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
             mark = marker(profile, prof, bx, tx)
-            if tma_store:
-                T.annotate_layout({o_s: make_swizzled_layout(o_s)})
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -330,8 +299,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     vdr_f = T.alloc_fragment((BV, BT), dtype)
                     vdb_f = T.alloc_fragment((BV, BT), dtype)
                     o_f = T.alloc_fragment((BV, BT), acc)       # O^T
-                    y_f = None if xn_in_prep else T.alloc_fragment((BV, BT), acc)     # Y = S0^T K^T
-                    yb_f = None if xn_in_prep else T.alloc_fragment((BV, BT), dtype)
+                    y_f = T.alloc_fragment((BV, BT), acc)       # Y = S0^T K^T
+                    yb_f = T.alloc_fragment((BV, BT), dtype)
                     mark.cal("m.clk0")
                     if profile:
                         # an ordinary TIR store, so TileLang passes `prof` as a writable pointer
@@ -357,7 +326,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(0, "s.prep")
                             T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
+                            issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                             mark(0, "s.vd_issued")
                             T.wait_wgmma(0)
                             mark(0, "s.vd_done")
@@ -378,7 +347,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
-                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
+                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
                                 release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
@@ -403,7 +372,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, xn_s, ae_s, el_s)
+                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                             T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
                             mark(c, "s.vd_issued")
                             T.wait_wgmma(1)
@@ -451,15 +420,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     pgb_f = T.alloc_fragment((BT, BT), dtype)
                     ag32_f = T.alloc_fragment((BT, BT), acc)
                     ab32_f = T.alloc_fragment((BT, BT), acc)
-                    xnb_f = T.alloc_fragment((BT, K), dtype) if xn_in_prep else None
-                    xn_f = T.alloc_fragment((BT, K), acc) if xn_in_prep else None
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
-                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, xn_s,
-                              ae_s, pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, xn_f, xnb_f,
-                              gi_f, gj_f, bj_f, ei_f)
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -491,12 +457,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "w.begin")
                             T.barrier_wait(o_full[pb], (c // 2) % 2)
                             mark(c, "w.o_full")
-                            if tma_store and ln == BT:
-                                T.copy(o_s[pb, :, :], o[0, t0:t0 + BT, i_hv, v0:v0 + BV])   # one lane, TMA
-                            else:   # rows < ln only (the next sequence or the padding tail follows)
-                                T.call_extern("handle", "fd_store_rows",
-                                              T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
-                                              T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tma_store, tx - 288)
+                            # rows < ln only (the next sequence or the padding tail follows): 16-byte PTX row loop
+                            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
+                                          T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tx - 288)
                             T.barrier_arrive(o_empty[pb])
                             mark(c, "w.stored")
                     elif tx < 352:
@@ -523,8 +486,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. The last
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
-            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            XN_IN_PREP, TMA_STORE)
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False)
 
 
 def build(args: tuple, **switches):
@@ -562,7 +524,7 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
     ``c < PROF_CHUNKS``; row 0 also holds the "m." entries (clock64/globaltimer pairs at the state warpgroup's
     start and end, and NT). One designated thread per role records, so the cost is a predicate per event
     elsewhere; the profiled kernel is a separate compile (`profile=True` in the builder), the plain kernel is
-    untouched. ``flags`` override other `SWITCHES` (overlap, early_release, xn_in_prep; default: the launcher's).
+    untouched. ``flags`` override other `SWITCHES` (overlap, early_release; default: the launcher's).
     bench/profile_fwd.py turns the timeline into per-role tables.
     """
     return _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
@@ -571,7 +533,7 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
 
 def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                       chunk_size=64, **flags):
-    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release, xn_in_prep), for
+    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release), for
     A/B runs (bench/fwd_variants.py, tests/gpu/test_fwd.py). Returns (o, final_state)."""
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))

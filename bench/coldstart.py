@@ -25,21 +25,36 @@ h0 = torch.randn(1, HV, 128, 128, device=dev)
 cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
 torch.cuda.synchronize()
 t1 = time.perf_counter()
+import tilelang  # noqa: F401  (flashdelta imports it lazily, on the first SM90 call)
+t_tl = time.perf_counter() - t1
+t1 = time.perf_counter()
+prof = None
+if {PROFILE}:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
 with torch.no_grad():
     flashdelta.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 torch.cuda.synchronize()
 t2 = time.perf_counter()
+if prof is not None:
+    import pstats
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
 with torch.no_grad():
     flashdelta.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 torch.cuda.synchronize()
 t3 = time.perf_counter()
-print(f"RESULT import+setup {{t1 - t0:.2f}} first_call {{t2 - t1:.2f}} second_call {{(t3 - t2) * 1e3:.2f}}ms")
+print(f"RESULT import+setup {{t1 - t0 - t_tl:.2f}} import_tilelang {{t_tl:.2f}} first_call {{t2 - t1:.2f}} "
+      f"second_call {{(t3 - t2) * 1e3:.2f}}ms")
 """
 
 
-def _child(env, H, HV, T):
-    out = subprocess.run([sys.executable, "-c", CHILD.format(H=H, HV=HV, T=T)], env=env, capture_output=True,
-                         text=True)
+def _child(env, H, HV, T, profile=False):
+    out = subprocess.run([sys.executable, "-c", CHILD.format(H=H, HV=HV, T=T, PROFILE=profile)], env=env,
+                         capture_output=True, text=True)
+    if profile:
+        print(out.stdout)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
     if out.returncode or not line:
         raise RuntimeError(out.stderr[-3000:])
@@ -50,13 +65,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="16/64")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--profile", action="store_true", help="cProfile the warm-cache first call (top 18, cumulative)")
     args = ap.parse_args()
     H, HV = (int(x) for x in args.heads.split("/"))
     cache = tempfile.mkdtemp(prefix="tlcache-")
     env = dict(os.environ, TILELANG_CACHE_DIR=cache, FLASHDELTA_BACKEND="sm90")
     print(f"heads {H}/{HV}, {args.tokens} tokens, bf16, h0 on; fresh process each line; cache {cache}")
     print("empty cache :", _child(env, H, HV, args.tokens))
-    print("warm cache  :", _child(env, H, HV, args.tokens))
+    print("warm cache  :", _child(env, H, HV, args.tokens, profile=args.profile))
     cache2 = tempfile.mkdtemp(prefix="tlcache-")
     env2 = dict(env, TILELANG_CACHE_DIR=cache2)
     t0 = time.perf_counter()

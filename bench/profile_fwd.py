@@ -35,18 +35,18 @@ WAIT_ON = {
     "s.o_empty": "wait o_empty (store warp)",
     "s.vd_done": "own wgmma", "s.tail": "own wgmma", "s.fin_o1": "own wgmma",
     "p.full": "wait full (producer/TMA)", "p.pout": "wait pout_empty (state WG)",
-    "p.qk_done": "own wgmma", "p.xn_done": "own wgmma", "p.ew_done": "element-wise",
+    "p.qk_done": "own wgmma", "p.ew_done": "element-wise",
     "l.empty": "wait empty (state WG)", "l.qk_slot": "wait empty q/k (state WG)",
     "w.o_full": "wait o_full (state WG)",
 }
 
 
 WHAT = {
-    "s.vd_issued": "S -> bf16, (Y = S0^T K^T, wait, Y -> bf16,) Vd GEMMs issued, state scaled",
+    "s.vd_issued": "S -> bf16, Y = S0^T K^T, state scaled, wait, Y -> bf16, Y Ae^T issued",
     "s.fin_begin": "loop top", "s.fin_end": "O scaled by dq, O += Vd Pg^T issued",
     "s.released": "empty/pout_empty arrives", "s.o_staged": "O^T -> o_s (transposed), o_full arrive",
     "p.begin": "loop top", "p.qk_issued": "Q K^T issued, A tile and g/beta to registers",
-    "p.stored": "(Xn GEMM issued,) Ae/Ag/Pg/r/dq/e_L stored", "p.done": "(Xn -> bf16 -> xn_s,) fence, prep_done arrive",
+    "p.stored": "Ae/Ag/Pg/r/dq/e_L stored", "p.done": "fence, prep_done arrive",
     "l.begin": "loop top", "l.va_issued": "v/A TMA issued",
     "l.issued": "q/k TMA issued, full arrive", "w.begin": "loop top", "w.stored": "o rows to global, o_empty arrive",
 }

@@ -20,7 +20,7 @@ PROF_EVENTS = (
     # s.o_staged c-1], s.vd_done, s.fin_begin, s.fin_o1, s.fin_end, [s.full/s.prep c+1], s.tail, s.released ...)
     "s.full",       # full[c] wait returned (q/k/v/A/g/beta of chunk c in shared memory)
     "s.prep",       # prep_done[c] wait returned (Ag, Ae or Xn, Pg, r, dq, e_L of chunk c ready)
-    "s.vd_issued",  # Vd^T GEMMs of chunk c issued (S0 -> bf16, e_L state scale, and by default Y = S0^T K^T done)
+    "s.vd_issued",  # Vd^T GEMMs of chunk c issued (S0 -> bf16, Y = S0^T K^T complete, e_L state scale done)
     "s.vd_done",    # Vd^T of chunk c complete (wait_wgmma)
     "s.fin_begin",  # finish_chunk(c) starts: O^T = S0^T Q^T issued next
     "s.fin_o1",     # O^T = S0^T Q^T complete (wait_wgmma(1) inside finish_chunk; S1 GEMM still in flight)
@@ -36,9 +36,8 @@ PROF_EVENTS = (
     "p.pout",       # pout_empty wait returned (state WG released this ae/xn, pg, r, dq buffer)
     "p.qk_done",    # Q K^T complete
     "p.ew_done",    # element-wise pass done (Gamma, Ag, A o beta, Pg in registers)
-    "p.stored",     # Ag, Pg, r, dq, e_L stored (and Ae; with xn_in_prep the Xn GEMM issued before them)
-    "p.xn_done",    # xn_in_prep: Xn GEMM complete (else = p.stored)
-    "p.done",       # (Xn converted and stored,) fenced, prep_done arrived
+    "p.stored",     # Ae, Ag, Pg, r, dq, e_L stored
+    "p.done",       # fenced, prep_done arrived
     # producer load warp, thread 256, chunk c
     "l.begin",      # loop top, before the empty wait
     "l.empty",      # ring slot free (empty, or empty_va with early_release)

@@ -15,7 +15,7 @@ One CTA walks every chunk of one (sequence, value head, V slice) with the state 
     S1^T = exp(G_last) S0^T + (Vd^T diag(R)) K           "state"
 
 The serial chain S0 -> Y -> Vd -> S1 is three register-A wgmma groups and fp32->bf16 conversions: no
-shared-memory round trip. (Until session 4 the prep warpgroup formed Xn = Ae K and the state warpgroup
+shared-memory round trip. (Earlier builds had the prep warpgroup form Xn = Ae K and the state warpgroup
 S0^T Xn^T: one GEMM fewer on the chain, a 64 x 128 x 64 GEMM more in the prep; measured within 1%.) Warp roles
 (384 threads):
 

@@ -7,7 +7,9 @@ Each variant is a set of `fused_fwd.SWITCHES` values (see VARIANTS); all run on 
 (bf16, fp32 beta and h0, one sequence; see profile_fwd.make_inputs). Per variant it checks o and the final state
 against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
 (CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
-(PREPARE_VARIANTS; max|do| is then max |A - A_torch|). The table is printed last.
+(PREPARE_VARIANTS; max|do| is then max |A - A_torch|). With --pair it also times prepare_fwd followed by the
+fused kernel, both launches captured in one CUDA graph, with programmatic dependent launch off and on
+(prepare `pdl` knob + fused `pdl` switch). The table is printed last.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
+    ap.add_argument("--pair", action="store_true", help="also time prepare + fused in one graph, PDL off / on")
     ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
     ap.add_argument("--profiled", action="store_true", help="with --compile-only: also the timeline builds")
     args = ap.parse_args()
@@ -66,6 +69,11 @@ def main():
 
     pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)
     if args.compile_only:
+        if args.pair:
+            for pdl in (False, True):
+                prepare.build_fwd(pargs, pdl=pdl)
+                ff.build(builder_flags(ff, "default")[0], pdl=pdl)
+            print("built the PDL pair", flush=True)
         if args.prepare:
             for name, knobs in PREPARE_VARIANTS.items():
                 prepare.build_fwd(pargs, **knobs)
@@ -110,6 +118,29 @@ def main():
                 ms = cuda_time(lambda: kernel(k, g, beta, cu, gc_out, A_out), args.reps)
                 rows.append((spec, name, ms, ms * 1e3 / NT, d_a, 0.0))
                 print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
+        if args.pair:
+            g = torch.zeros_like(gc)
+            gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
+            o, ht = torch.empty_like(o_ref), torch.empty_like(ht_ref)
+            o_off = None
+            for pdl in (False, True):
+                kp, kf = prepare.build_fwd(pargs, pdl=pdl), ff.build(builder_flags(ff, "default")[0], pdl=pdl)
+
+                def pair():
+                    kp(k, g, beta, cu, gc_out, A_out)
+                    kf(q, k, v, gc_out, beta, A_out, h0, cu, o, ht)
+
+                pair()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    pair()
+                ms = cuda_time(graph.replay, args.reps)
+                if o_off is None:   # PDL must not change a bit: max|do| is against the pdl=False pair
+                    o_off = o.clone()
+                d_o = (o.float() - o_off.float()).abs().max().item()
+                rows.append((spec, f"pair-pdl{int(pdl)}", ms, ms * 1e3 / NT, d_o, 0.0))
+                print(f"{spec} prepare+fused pdl={pdl}: {ms:.4f} ms (graph)", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
             kernel = ff.build(a, **flags)

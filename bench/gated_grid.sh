@@ -10,7 +10,7 @@ timeout 110 bash bench/gpu_experiments.sh > "$OUT/exp_summary.log" 2>&1
 grep "^== " "$OUT/exp_summary.log"
 grep -A13 "^=== summary" "$OUT/exp_profile.log"
 grep "w.stored\|s.o_empty " "$OUT/exp_profile.log"
-grep -E "^ +(8192|32768|8192x4) +(default|no-early-release|prepare) " "$OUT/exp_variants.log"
+grep -E "^ +(8192|32768|8192x4) +(default|no-early-release|prepare|pair-pdl0|pair-pdl1) " "$OUT/exp_variants.log"
 us=$(awk '$1 == "32768" && $2 == "default" {print $4}' "$OUT/exp_variants.log")
 if [ -z "$us" ] || grep -q "failed\|error\|Timeout" /tmp/gpu_experiments/test_*.log; then
   echo "GATE: tests failed or no timing; no grid"; exit 1

@@ -73,7 +73,7 @@ def main():
     if not os.environ.get("TILELANG_CACHE_DIR"):
         sys.exit("set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried")
     if a.variants:
-        subprocess.run([sys.executable, os.path.join(HERE, "fwd_variants.py"), "--compile-only", "--prepare",
+        subprocess.run([sys.executable, os.path.join(HERE, "fwd_variants.py"), "--compile-only", "--prepare", "--pair",
                         "--profiled"], check=True)
     if a.grid:
         heads = [x for h in GRID_HEADS for x in ("--heads", h)]

@@ -79,3 +79,15 @@ def test_state_warpgroup_forms_w_s0():
     src = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert "ae_s" in src and "y_f" in src and "xn_s" not in src
     assert "fd_store_rows(" in src and "cp.async.bulk" not in src
+
+
+def test_pdl_sync_switch():
+    """pdl=True (`fused_fwd.PDL_SYNC`): every thread waits for the previous grid right after the barrier setup,
+    before any global read; off in the launcher's build until measured."""
+    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], pdl=True).get_kernel_source()
+    assert on.count("cudaGridDependencySynchronize()") == 1
+    body = on[on.index("cudaGridDependencySynchronize()"):]
+    head = on[on.index("__global__"):on.index("cudaGridDependencySynchronize()")]
+    assert "cu_seqlens[" not in head and "h0[" not in head and "cu_seqlens[" in body
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert ("cudaGridDependencySynchronize" in default) == fused_fwd.PDL_SYNC

@@ -39,7 +39,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K)
+    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -78,3 +78,13 @@ def test_prepare_fwd_profiled_build():
     assert "int64_t* __restrict__ prof" in src and "const int64_t* __restrict__ prof" not in src
     assert src.count("fd_prof_stamp(prof,") == 9 and src.count("fd_prof_cal(prof,") == 2
     assert "fd_prof" not in prepare.build_fwd(args).get_kernel_source()
+
+
+def test_prepare_fwd_pdl_trigger_switch():
+    """pdl=True (programmatic dependent launch, `prepare.PDL_TRIGGER`) lets the next kernel launch early; the
+    launcher's build has no trigger while the switch is off."""
+    args = prepare.builder_args(*FWD_VARIANTS[0])
+    on = prepare.build_fwd(args, pdl=True).get_kernel_source()
+    assert on.count("cudaTriggerProgrammaticLaunchCompletion()") == 1 and not divergent_syncs(on)
+    default = prepare.build_fwd(args).get_kernel_source()
+    assert ("cudaTriggerProgrammaticLaunchCompletion" in default) == prepare.PDL_TRIGGER

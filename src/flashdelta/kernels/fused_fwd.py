@@ -57,9 +57,15 @@ OVERLAP = True          # software-pipelined state warpgroup (False: the plain p
 # Free the v/A/g/beta part of a ring slot as soon as the chunk's Vd GEMMs complete (q/k stay until the chunk ends),
 # so the producer starts the DRAM-bound loads one chunk earlier.
 EARLY_RELEASE = True
+# Programmatic dependent launch (off until measured on a GPU): every thread waits in T.pdl_sync (griddepcontrol.wait)
+# right after the prologue, so the launch and barrier setup overlap the previous kernel's tail (prepare_fwd with its
+# PDL_TRIGGER). Nothing is read before the wait: a kernel launched in between (a dtype conversion, a .contiguous()
+# copy) is then the one waited for. TileLang's tvm_ffi launcher sets the programmatic attribute for kernels with a
+# pdl_sync (bench/probe_pdl.py, NOTES-gpu.md session 4).
+PDL_SYNC = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile")
+SWITCHES = ("overlap", "early_release", "profile", "pdl")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -74,10 +80,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False):
+                     profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -271,6 +277,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
+            if pdl:
+                T.pdl_sync()
             mark = marker(profile, prof, bx, tx)
 
             if i_n == N_:
@@ -486,7 +494,8 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. The last
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
-            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False)
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
+            PDL_SYNC)
 
 
 def build(args: tuple, **switches):

@@ -35,7 +35,11 @@ SUPPORTED_K = (64, 128, 256)
 A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
 MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shared memory, measured slower)
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("min_blocks", "skip", "profile", "a_in_k")
+# Let the next kernel on the stream launch as soon as every CTA of this one has started (programmatic dependent
+# launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
+# measured on a GPU, with fused_fwd.PDL_SYNC.
+PDL_TRIGGER = False
+KNOBS = ("min_blocks", "skip", "profile", "a_in_k", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -88,10 +92,11 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False):
+                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False,
+                       pdl: bool = False):
     """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
-    7% faster at TP1 32k; NOTES-gpu.md). `min_blocks` bounds the registers (5 CTAs per SM fit then; slower).
+    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)
@@ -134,6 +139,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS,
                       prelude=_ptx.PROF_PRELUDE if profile else None) as (i_s, i_h):
             T.annotate_min_blocks_per_sm(min_blocks)
+            if pdl:
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             stamp = stamper(prof, i_s, i_h, tid)
             stamp("m.clk0", cal=True)
@@ -350,7 +357,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, 0, False, A_IN_K)
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, 0, False, A_IN_K,
+            PDL_TRIGGER)
 
 
 def build_fwd(args: tuple, **knobs):

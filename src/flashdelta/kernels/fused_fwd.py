@@ -83,7 +83,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                      profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
+    uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -103,7 +104,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
-        # on entry: Vd^T = V^T Ag^T + S0^T Xn^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
+        # on entry: Vd^T = V^T Ag^T + Y Ae^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
         T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
         for i, j in T.Parallel(BV, BT):
             vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
@@ -146,7 +147,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
-        # packed conversion + stmatrix.trans (16 cvt and 4 stmatrix per thread, not 32 + 32 scalar transposed stores)
         stage_o(c % 2, o_f, o_s, tx)
         T.barrier_arrive(o_full[c % 2])
         mark(c, "s.o_staged")
@@ -324,9 +324,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     else:
                         T.clear(s_f)
                     if overlap:
-                        # Software-pipelined: chunk c+1's Vd GEMMs and the S -> bf16 conversion run under chunk c's
-                        # tail, and chunk c's o staging under chunk c+1's Vd GEMMs. No wgmma is pending across the
-                        # loop back-edge and none is issued conditionally (ptxas would serialize every wgmma).
+                        # Software-pipelined: chunk c+1's V^T Ag^T runs under chunk c's tail, and chunk c's o staging
+                        # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
+                        # conditionally (ptxas would serialize every wgmma).
                         if NT > 0:
                             T.barrier_wait(full[0], 0)
                             mark(0, "s.full")
@@ -402,14 +402,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(c, "s.tail")
-                            T.barrier_arrive(empty[st])
-                            T.barrier_arrive(pout_empty[pb])
-                            mark(c, "s.released")
-                            T.barrier_wait(o_empty[pb], ((c // 2) % 2) ^ 1)
-                            mark(c, "s.o_empty")
-                            stage_o(pb, o_f, o_s, tx)
-                            T.barrier_arrive(o_full[pb])
-                            mark(c, "s.o_staged")
+                            release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                     if store_final_state:
                         if state_v_first:
                             for i, j in T.Parallel(BV, K):

@@ -16,39 +16,29 @@ __device__ __forceinline__ void fd_spin(long long ns) { long long t0 = fd_gt(); 
 
 @tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, execution_backend=BACKEND,
               pass_configs={"tl.disable_data_race_check": True})
-def build_a(n: int):
+def build(n: int, primary: bool):
+    """primary: kernel A (trigger, then spin); else kernel B (wait). Both stamp %globaltimer before and after."""
     @T.prim_func
-    def ka(out: T.Tensor((n, 2), "int64")):
+    def kernel(out: T.Tensor((n, 2), "int64")):
         with T.Kernel(n, threads=32, prelude=PRE) as bx:
             tx = T.get_thread_binding()
             if tx == 0:
                 out[bx, 0] = T.call_extern("int64", "fd_gt")
-            T.pdl_trigger()
-            T.call_extern("handle", "fd_spin", 20000)
+            if primary:
+                T.pdl_trigger()
+                T.call_extern("handle", "fd_spin", 20000)
+            else:
+                T.pdl_sync()
             if tx == 0:
                 out[bx, 1] = T.call_extern("int64", "fd_gt")
-    return ka
-
-
-@tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, execution_backend=BACKEND,
-              pass_configs={"tl.disable_data_race_check": True})
-def build_b(n: int):
-    @T.prim_func
-    def kb(out: T.Tensor((n, 2), "int64")):
-        with T.Kernel(n, threads=32, prelude=PRE) as bx:
-            tx = T.get_thread_binding()
-            if tx == 0:
-                out[bx, 0] = T.call_extern("int64", "fd_gt")
-            T.pdl_sync()
-            if tx == 0:
-                out[bx, 1] = T.call_extern("int64", "fd_gt")
-    return kb
+    return kernel
 
 
 if __name__ == "__main__":
     n = 8
-    ka, kb = build_a(n), build_b(n)
-    print("A has griddepcontrol:", "griddepcontrol" in ka.get_kernel_source() or "pdl" in ka.get_kernel_source())
+    ka, kb = build(n, True), build(n, False)
+    print("A triggers:", "cudaTriggerProgrammaticLaunchCompletion" in ka.get_kernel_source(),
+          "| B waits:", "cudaGridDependencySynchronize" in kb.get_kernel_source())
     if not torch.cuda.is_available():
         sys.exit(0)
     a = torch.zeros(n, 2, dtype=torch.int64, device="cuda")

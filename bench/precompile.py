@@ -29,8 +29,13 @@ def _timed(label, fn):
     print(f"{label}: {time.time() - t0:.1f} s", flush=True)
 
 
-def tests():
+def _test_modules():
+    """Make tests/ and tests/gpu/ importable (the case lists live there)."""
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
+
+
+def tests():
+    _test_modules()
     from test_fwd import CASES as FWD_CASES
     from test_fwd import SWITCH_SETS, VARIANT_CASES
     from test_prepare import CASES as PREP_CASES
@@ -49,9 +54,7 @@ def tests():
 
 
 def e2e():
-    import torch
-
-    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
+    _test_modules()
     from test_e2e_gpu import PAIRS
 
     import flashdelta
@@ -73,8 +76,8 @@ def main():
     if not os.environ.get("TILELANG_CACHE_DIR"):
         sys.exit("set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried")
     if a.variants:
-        subprocess.run([sys.executable, os.path.join(HERE, "fwd_variants.py"), "--compile-only", "--prepare", "--pair",
-                        "--profiled"], check=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "fwd_variants.py"), "--compile-only", "--prepare",
+                        "--pair", "--profiled"], check=True)
     if a.grid:
         heads = [x for h in GRID_HEADS for x in ("--heads", h)]
         subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32"], check=True)

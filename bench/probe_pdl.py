@@ -9,7 +9,11 @@ import torch
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "cython"
 PRE = r"""
-__device__ __forceinline__ long long fd_gt() { long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory"); return g; }
+__device__ __forceinline__ long long fd_gt() {
+  long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
+  return g;
+}
 __device__ __forceinline__ void fd_spin(long long ns) { long long t0 = fd_gt(); while (fd_gt() - t0 < ns) {} }
 """
 

@@ -426,7 +426,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
                     prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
-                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f)
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
+                              ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)

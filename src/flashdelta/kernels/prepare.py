@@ -34,11 +34,11 @@ THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
 A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
 MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shared memory, measured slower)
-# the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
 # Let the next kernel on the stream launch as soon as every CTA of this one has started (programmatic dependent
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
+# the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
 KNOBS = ("min_blocks", "skip", "profile", "a_in_k", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
@@ -96,7 +96,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                        pdl: bool = False):
     """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
-    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM fit then; slower).
+    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM
+    fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)

@@ -47,17 +47,22 @@ def builder_flags(ff, name):
 
 
 def main():
+    global H, HV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="8192,32768",
                     help="comma-separated sequence mixes: T (one sequence) or LxN (N sequences of L, L % 64 == 0)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--heads", default=f"{H}/{HV}", help="H/HV of the inputs (K = V = 128)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
+    ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
     ap.add_argument("--pair", action="store_true", help="also time prepare + fused in one graph, PDL off / on")
     ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
     ap.add_argument("--profiled", action="store_true", help="with --compile-only: also the timeline builds")
     args = ap.parse_args()
     names = args.variants.split(",")
+    H, HV = (int(x) for x in args.heads.split("/"))
+    prepare_variants = {name: PREPARE_VARIANTS[name] for name in args.prepare_variants.split(",")}
 
     import time
 
@@ -75,7 +80,7 @@ def main():
                 ff.build(builder_flags(ff, "default")[0], pdl=pdl)
             print("built the PDL pair", flush=True)
         if args.prepare:
-            for name, knobs in PREPARE_VARIANTS.items():
+            for name, knobs in prepare_variants.items():
                 prepare.build_fwd(pargs, **knobs)
                 print(f"built {name}", flush=True)
         for name in names:
@@ -110,7 +115,7 @@ def main():
         if args.prepare:
             g = torch.zeros_like(gc)
             gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
-            for name, knobs in PREPARE_VARIANTS.items():
+            for name, knobs in prepare_variants.items():
                 kernel = prepare.build_fwd(pargs, **knobs)
                 kernel(k, g, beta, cu, gc_out, A_out)
                 torch.cuda.synchronize()

@@ -8,8 +8,8 @@ Each variant is a set of `fused_fwd.SWITCHES` values (see VARIANTS); all run on 
 against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
 (CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
 (PREPARE_VARIANTS; max|do| is then max |A - A_torch|). With --pair it also times prepare_fwd followed by the
-fused kernel, both launches captured in one CUDA graph, for each of PAIRS (the launcher's builds and the dense-A
-builds). --heads picks H/HV. The table is printed last.
+fused kernel, both launches captured in one CUDA graph, with programmatic dependent launch off and on
+(prepare `pdl` knob + fused `pdl` switch). The table is printed last.
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-# name -> builder switches; {} is the launcher's kernel. "compact_a" picks A's layout (builder_args), not a switch.
+# name -> builder switches; {} is the launcher's kernel
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
-    "dense-a": {"compact_a": False},     # the dense A (the layout before compact A), for an even HV / H
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
 # (timing only, A is wrong)
@@ -35,40 +34,16 @@ PREPARE_VARIANTS = {
     "prepare-mb5": {"min_blocks": 5},
     "prepare-skip-l12": {"skip": 2},
     "prepare-kkt-only": {"skip": 3},
-    "prepare-dense-a": {"compact": False},   # A stored dense (for an even HV / H: the build before compact A)
-}
-# --pair: name -> (prepare knobs, fused switches, A compact? (None: the launcher's)), timed as prepare + fused in one CUDA graph. The
-# launcher's pair first (the others' max|do| is against it). PDL (prepare `pdl` + fused `pdl`) measured no gain in
-# session 5 (NOTES-gpu.md) and is left out.
-PAIRS = {
-    "launcher": ({}, {}, None),
-    "dense-a": ({}, {}, False),
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5
 
 
 def builder_flags(ff, name):
-    """(builder args, switches, compact_a) of fused variant `name`."""
     import torch
 
-    flags = dict(VARIANTS[name])
-    args = ff.builder_args(H, HV, K, V, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False,
-                           flags.pop("compact_a", None))
-    return args, flags, args[-len(ff.SWITCHES) - 2]
-
-
-def pair_kernels(ff, prepare, pargs):
-    """name -> (prepare kernel, fused kernel, A compact?) for `PAIRS`."""
-    import torch
-
-    out = {}
-    for name, (knobs, switches, compact_a) in PAIRS.items():
-        fargs = ff.builder_args(H, HV, K, V, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False,
-                                compact_a)
-        compact = fargs[-len(ff.SWITCHES) - 2]
-        out[name] = (prepare.build_fwd(pargs, **{**knobs, "compact": compact}), ff.build(fargs, **switches), compact)
-    return out
+    args = ff.builder_args(H, HV, K, V, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
+    return args, VARIANTS[name]
 
 
 def main():
@@ -81,7 +56,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
-    ap.add_argument("--pair", action="store_true", help="also time prepare + fused in one graph (PAIRS)")
+    ap.add_argument("--pair", action="store_true", help="also time prepare + fused in one graph, PDL off / on")
     ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
     ap.add_argument("--profiled", action="store_true", help="with --compile-only: also the timeline builds")
     args = ap.parse_args()
@@ -100,20 +75,22 @@ def main():
     pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)
     if args.compile_only:
         if args.pair:
-            pair_kernels(ff, prepare, pargs)
-            print(f"built the pairs {list(PAIRS)}", flush=True)
+            for pdl in (False, True):
+                prepare.build_fwd(pargs, pdl=pdl)
+                ff.build(builder_flags(ff, "default")[0], pdl=pdl)
+            print("built the PDL pair", flush=True)
         if args.prepare:
             for name, knobs in prepare_variants.items():
                 prepare.build_fwd(pargs, **knobs)
                 print(f"built {name}", flush=True)
         for name in names:
-            a, flags, _ = builder_flags(ff, name)
+            a, flags = builder_flags(ff, name)
             t0 = time.time()
             ff.build(a, **flags)
             print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
         if args.profiled:  # the timeline builds bench/profile_fwd.py and profile_prepare.py run
             for name in names:
-                a, flags, _ = builder_flags(ff, name)
+                a, flags = builder_flags(ff, name)
                 ff.build(a, **{**flags, "profile": True})
                 print(f"built {name} (profiled)", flush=True)
             prepare.build_fwd(pargs, profile=True)
@@ -123,8 +100,6 @@ def main():
     import torch
 
     from profile_fwd import cuda_time, make_inputs
-
-    from flashdelta.reference.chunked import unpack_a
 
     rows = []
     for spec in args.tokens.split(","):
@@ -136,30 +111,25 @@ def main():
             cu = torch.arange(n + 1, dtype=torch.int32, device=q.device) * L
             h0 = h0.expand(n, *h0.shape[1:]).contiguous()
         NT = (T + 63) // 64
-        # A in both layouts (make_inputs gives the launcher's; chunks align, so the flat sequence's packing holds)
-        A_dense = unpack_a(A, torch.tensor([0, T], device=q.device)) if A.shape[2] != HV else A
-        A_by_layout = {A.shape[2] != HV: A, False: A_dense}
         o_ref, ht_ref = ff.chunk_fwd(q, k, v, gc, beta, A, h0, cu, scale=SCALE)
         if args.prepare:
             g = torch.zeros_like(gc)
-            gc_out = torch.empty_like(gc)
+            gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
             for name, knobs in prepare_variants.items():
                 kernel = prepare.build_fwd(pargs, **knobs)
-                A_want = A_by_layout[bool(knobs.get("compact", pargs[-len(prepare.KNOBS)]))]
-                A_out = torch.empty_like(A_want)
                 kernel(k, g, beta, cu, gc_out, A_out)
                 torch.cuda.synchronize()
-                d_a = (A_out.float() - A_want.float()).abs().max().item()   # A from torch (bf16): rounding-level
+                d_a = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding-level
                 ms = cuda_time(lambda: kernel(k, g, beta, cu, gc_out, A_out), args.reps)
                 rows.append((spec, name, ms, ms * 1e3 / NT, d_a, 0.0))
                 print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
         if args.pair:
             g = torch.zeros_like(gc)
-            gc_out = torch.empty_like(gc)
+            gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
             o, ht = torch.empty_like(o_ref), torch.empty_like(ht_ref)
-            o_first = None
-            for name, (kp, kf, compact) in pair_kernels(ff, prepare, pargs).items():
-                A_out = torch.empty_like(A_by_layout[compact])
+            o_off = None
+            for pdl in (False, True):
+                kp, kf = prepare.build_fwd(pargs, pdl=pdl), ff.build(builder_flags(ff, "default")[0], pdl=pdl)
 
                 def pair():
                     kp(k, g, beta, cu, gc_out, A_out)
@@ -171,21 +141,20 @@ def main():
                 with torch.cuda.graph(graph):
                     pair()
                 ms = cuda_time(graph.replay, args.reps)
-                if o_first is None:   # max|do| against the first pair (the launcher's)
-                    o_first = o.clone()
-                d_o = (o.float() - o_first.float()).abs().max().item()
-                rows.append((spec, f"pair-{name}", ms, ms * 1e3 / NT, d_o, 0.0))
-                print(f"{spec} prepare+fused {name}: {ms:.4f} ms (graph)", flush=True)
+                if o_off is None:   # PDL must not change a bit: max|do| is against the pdl=False pair
+                    o_off = o.clone()
+                d_o = (o.float() - o_off.float()).abs().max().item()
+                rows.append((spec, f"pair-pdl{int(pdl)}", ms, ms * 1e3 / NT, d_o, 0.0))
+                print(f"{spec} prepare+fused pdl={pdl}: {ms:.4f} ms (graph)", flush=True)
         for name in names:
-            a, flags, compact = builder_flags(ff, name)
+            a, flags = builder_flags(ff, name)
             kernel = ff.build(a, **flags)
-            A_in = A_by_layout[compact]
             o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
-            kernel(q, k, v, gc, beta, A_in, h0, cu, o, ht)
+            kernel(q, k, v, gc, beta, A, h0, cu, o, ht)
             torch.cuda.synchronize()
             d_o = (o.float() - o_ref.float()).abs().max().item()
             d_h = (ht - ht_ref).abs().max().item()
-            ms = cuda_time(lambda: kernel(q, k, v, gc, beta, A_in, h0, cu, o, ht), args.reps)
+            ms = cuda_time(lambda: kernel(q, k, v, gc, beta, A, h0, cu, o, ht), args.reps)
             rows.append((spec, name, ms, ms * 1e3 / NT, d_o, d_h))
             print(f"{spec} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}",
                   flush=True)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the open experiments (NOTES-gpu.md), logs under $OUT. Timing first (the kernels come from the
 # carried TileLang cache), then the GPU test tier (four files in parallel; test_e2e_gpu compiles its kernels there):
-#   1. the forward with compact A (the launcher's builds) vs dense A (bench/fwd_variants.py) on one sequence of
-#      8192 and 32768 tokens and on 4 x 8192: prepare_fwd alone, the fused kernel alone, and prepare + fused in one
-#      CUDA graph (--pair);
+#   1. the fused forward: launcher's kernel vs the early_release switch (bench/fwd_variants.py) on one sequence of
+#      8192 and 32768 tokens and on 4 x 8192, prepare_fwd's builds, and prepare + fused in one CUDA graph with
+#      programmatic dependent launch off and on (--pair);
 #   2. the per-role timeline of the launcher's kernel (bench/profile_fwd.py) and prepare's phases (profile_prepare.py);
 #   3. the GPU test tier.
 # Build the TileLang cache on the CPU machine first and carry it packed (bench/tlcache.sh pack), then:
@@ -13,8 +13,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
-timeout 150 python3 bench/fwd_variants.py --tokens 8192,32768,8192x4 --prepare --prepare-variants prepare,prepare-dense-a \
-  --pair --variants default,dense-a 2>&1 | quiet > "$OUT/exp_variants.log"
+timeout 150 python3 bench/fwd_variants.py --tokens 8192,32768,8192x4 --prepare --pair \
+  --variants default,no-early-release 2>&1 | quiet > "$OUT/exp_variants.log"
 echo "A/B done at $(( $(date +%s) - t0 )) s"
 timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$OUT/exp_profile.log"
 timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$OUT/exp_profile_prepare.log"

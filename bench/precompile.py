@@ -44,7 +44,7 @@ def tests():
 
     for c in FWD_CASES:
         args = fused_fwd.builder_args(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h0_dtype, c.K ** -0.5, c.h0,
-                                      c.state_v_first, False if c.dense_a else None)
+                                      c.state_v_first)
         _timed(f"chunk_fwd {c.name}", lambda: fused_fwd.build(args))
         if c in VARIANT_CASES:
             for name, switches in SWITCH_SETS.items():

@@ -213,12 +213,8 @@ def print_summary(summary, ms_plain, ms_prof, nt):
 
 
 def make_inputs(T, H, HV, K=128, V=128, seed=0, device="cuda"):
-    """TP1-like inputs for one sequence of T tokens; A in the layout `prepare_fwd` stores for (H, HV)."""
     import torch
     import torch.nn.functional as F
-
-    from flashdelta.kernels.prepare import compact_a
-    from flashdelta.reference.chunked import pack_a
 
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -245,8 +241,6 @@ def make_inputs(T, H, HV, K=128, V=128, seed=0, device="cuda"):
     eye = torch.eye(BT, device=device).expand_as(L)
     Ainv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)      # [NT, HV, BT, BT]
     A = Ainv.permute(0, 2, 1, 3).reshape(1, NT * BT, HV, BT)[:, :T].bfloat16().contiguous()
-    if compact_a(H, HV):   # the layout prepare_fwd stores and the launcher's fused build reads
-        A = pack_a(A, cu)
     return q, k, v, g_cumsum, beta, A, h0, cu
 
 

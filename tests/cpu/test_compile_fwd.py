@@ -13,8 +13,7 @@ from _helpers import divergent_syncs  # noqa: E402
 SCALE = 128 ** -0.5
 
 # builder_args(H, HV, K, V, dtype, beta dtype, h0 dtype, scale, has_initial_state, state_v_first): exactly the
-# compile keys the launcher uses (A compact for an even HV / H, as prepare_fwd stores it), and the dense-A build of
-# an even GVA (chunk_fwd given a dense A).
+# compile keys the launcher uses.
 VARIANTS = {
     "bf16-gva2-h0": fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16, torch.float32, SCALE,
                                            True, False),
@@ -22,21 +21,7 @@ VARIANTS = {
                                                False, True),
     "bf16-gva3-h0-v256": fused_fwd.builder_args(2, 6, 128, 256, torch.bfloat16, torch.float32, torch.float32, SCALE,
                                                 True, False),
-    "bf16-gva2-dense-a": fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16, torch.float32, SCALE,
-                                                True, False, compact_a=False),
 }
-
-
-def test_a_layout_follows_prepare():
-    """The launcher's fused build reads A in the layout prepare_fwd stores: compact exactly for an even HV / H."""
-    from flashdelta.kernels import prepare
-
-    n = len(fused_fwd.SWITCHES)
-    assert [prepare.compact_a(H, HV) for H, HV in ((2, 4), (4, 4), (2, 6), (16, 64))] == [True, False, False, True]
-    assert VARIANTS["bf16-gva2-h0"][-n - 2] is True and VARIANTS["fp16-noh0-vfirst"][-n - 2] is False
-    assert VARIANTS["bf16-gva2-dense-a"][-n - 2] is False
-    assert prepare.builder_args(2, 4, 128, torch.bfloat16, torch.bfloat16)[6] is True
-    assert prepare.builder_args(2, 6, 128, torch.bfloat16, torch.bfloat16)[6] is False
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -39,8 +39,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (prepare.compact_a(v[0], v[1]), prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K,
-                                          prepare.PDL_TRIGGER)
+    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src

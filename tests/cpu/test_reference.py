@@ -184,31 +184,6 @@ def test_prepare_fwd_twin(case):
 
 
 @pytest.mark.parametrize("case", STAGE_CASES, ids=str)
-def test_compact_a_layout(case):
-    """pack_a against an element-by-element definition of the SM90 kernels' compact A, and unpack_a inverts it."""
-    inp = _inputs64(case)
-    cu_t = inp["cu_seqlens"]
-    _, A = ref.prepare_fwd(inp["k"], inp["g"], inp["beta"], cu_t)
-    Ap = ref.pack_a(A, cu_t)
-    T, HV, BT = A.shape[1], A.shape[2], 64
-    assert Ap.shape == (1, T, HV // 2, BT) and Ap.dtype == A.dtype
-    want = torch.zeros_like(Ap)
-    cu = cu_t.tolist()
-    for n in range(len(cu) - 1):
-        for s in range(cu[n], cu[n + 1], BT):
-            e = min(s + BT, cu[n + 1])
-            for i in range(e - s):
-                for p in range(HV // 2):
-                    want[0, s + i, p, :i + 1] = A[0, s + i, 2 * p, :i + 1]         # even head: row i, j <= i
-                    want[0, s + i, p, i + 1:e - s] = A[0, s + i + 1:e, 2 * p + 1, i]  # odd head: column i, j > i
-    assert torch.equal(Ap, want)
-    assert torch.equal(ref.unpack_a(Ap, cu_t), A)
-    assert torch.equal(ref.unpack_a(ref.pack_a(A.bfloat16(), cu_t), cu_t), A.bfloat16())
-    with pytest.raises(ValueError, match="HV must be even"):
-        ref.pack_a(A[:, :, :1], cu_t)
-
-
-@pytest.mark.parametrize("case", STAGE_CASES, ids=str)
 def test_state_recompute_twin(case):
     """h[chunk] == the state the recurrence reaches at that chunk's start (runs on sequence prefixes)."""
     inp = _inputs64(case)

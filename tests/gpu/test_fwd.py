@@ -1,8 +1,7 @@
 """Stage `chunk_fwd` on a Hopper GPU: `kernels.fused_fwd.chunk_fwd` against its float64 twin.
 
 The kernel is tested on its own: g_cumsum and A come from the float64 `reference.chunked.prepare_fwd` (A rounded
-to the input dtype and, where HV / H is even, packed compact by `reference.chunked.pack_a`, as the prepare kernel
-stores it; one case passes the dense layout instead), and the reference and the baseline (the portable path with
+to the input dtype, as the prepare kernel stores it), and the reference and the baseline (the portable path with
 GEMM operands rounded to the input dtype) consume exactly the inputs the kernel gets. Outputs are NaN-poisoned
 (conftest): o on the padding tail must be exactly 0, and an empty sequence's final state is its initial state.
 """
@@ -13,7 +12,7 @@ import torch
 from _helpers import Case, assert_close, make_inputs, random_lengths
 
 from flashdelta import portable
-from flashdelta.kernels import fused_fwd, prepare
+from flashdelta.kernels import fused_fwd
 from flashdelta.reference import chunked as ref
 
 
@@ -32,7 +31,6 @@ class FwdCase:
     h0_dtype: torch.dtype = torch.float32
     state_v_first: bool = False
     gate: str = "model"
-    dense_a: bool = False       # A dense even where prepare_fwd stores it compact (HV / H even)
 
     def __str__(self):
         return self.name
@@ -51,7 +49,6 @@ CASES = [
     FwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9),
     FwdCase("v256", (100, 64, 3), H=2, HV=4, V=256, pad=9, dtype=torch.float16, beta_dtype=torch.float16),
     FwdCase("long-32k", (32768,), H=2, HV=4),
-    FwdCase("edges-gva2-dense-a", EDGES, H=2, HV=4, pad=37, dense_a=True),
 ]
 
 
@@ -62,10 +59,7 @@ def _inputs(case):
     beta = x["beta"].to(case.beta_dtype)
     h0 = x["initial_state"].to(case.h0_dtype) if case.h0 else None
     g_cumsum, A = ref.prepare_fwd(x["k"], x["g"], beta, x["cu_seqlens"])
-    A = A.to(case.dtype)
-    # A_dense for the references; A in the layout the kernel gets from prepare_fwd (compact for an even HV / H)
-    A_kernel = A if case.dense_a or not prepare.compact_a(case.H, case.HV) else ref.pack_a(A, x["cu_seqlens"])
-    return dict(q=x["q"], k=x["k"], v=x["v"], g_cumsum=g_cumsum.float(), beta=beta, A=A_kernel, A_dense=A,
+    return dict(q=x["q"], k=x["k"], v=x["v"], g_cumsum=g_cumsum.float(), beta=beta, A=A.to(case.dtype),
                 initial_state=h0, cu_seqlens=x["cu_seqlens"], scale=case.K ** -0.5,
                 state_v_first=case.state_v_first)
 
@@ -76,7 +70,7 @@ def _run(x):
 
 
 def _check(case, x, o, ht):
-    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A_dense"], x["initial_state"], x["cu_seqlens"])
+    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"], x["cu_seqlens"])
     kw = dict(scale=x["scale"], state_v_first=case.state_v_first)
     ro, rh = ref.chunk_fwd(*args, **kw)
     bo, bh = portable.chunk_fwd(*args, **kw, compute_dtype=torch.float32, operand_dtype=case.dtype)
@@ -113,11 +107,10 @@ def test_chunk_fwd_many_sequences():
     pick = list(range(50)) + list(range(65530, 70000, 7))
     tok = torch.cat([torch.arange(cu[n], cu[n + 1]) for n in pick]).to(o.device)
     sub_cu = torch.tensor([0] + [cu[n + 1] - cu[n] for n in pick], device=o.device).cumsum(0).to(torch.int32)
-    sub = dict(x, cu_seqlens=sub_cu,
-               **{name: x[name][:, tok] for name in ("q", "k", "v", "g_cumsum", "beta", "A", "A_dense")})
+    sub = dict(x, cu_seqlens=sub_cu, **{name: x[name][:, tok] for name in ("q", "k", "v", "g_cumsum", "beta", "A")})
     so, sh = _run(sub)
     assert torch.equal(so, o[:, tok]) and torch.equal(sh, ht[pick])
-    args = (sub["q"], sub["k"], sub["v"], sub["g_cumsum"], sub["beta"], sub["A_dense"], None, sub_cu)
+    args = (sub["q"], sub["k"], sub["v"], sub["g_cumsum"], sub["beta"], sub["A"], None, sub_cu)
     ro, rh = ref.chunk_fwd(*args, scale=x["scale"])
     bo, bh = portable.chunk_fwd(*args, scale=x["scale"], compute_dtype=torch.float32, operand_dtype=torch.bfloat16)
     assert_close("o", so, ro, baseline=bo)
@@ -152,6 +145,8 @@ def test_chunk_fwd_graph_capturable():
 def test_offsets_past_2_31_elements():
     """A sequence whose o rows start at element 2^31 (o, v: [1, T, 64, 128]): the 64-bit offsets of the prepare
     and fused kernels. Its outputs from the big launch must equal, bit for bit, a launch on that sequence alone."""
+    from flashdelta.kernels import prepare
+
     H, HV, K, V = 16, 64, 128, 128
     T0, T1 = 2 ** 31 // (HV * V), 3000          # sequence 1 starts exactly at o element 2^31
     T = T0 + T1

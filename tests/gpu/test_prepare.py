@@ -2,8 +2,7 @@
 
 A is checked against the float64 inverse with the reference rounded to A's dtype as the baseline (the kernel
 may add at most as much error again as that rounding), and must be exactly 0 wherever the reference is
-(upper triangle, columns past a ragged chunk's end, padding rows); where HV / H is even the kernel stores A
-compact and is checked against the packed reference (`reference.chunked.pack_a`). Outputs are NaN-poisoned (conftest), so a
+(upper triangle, columns past a ragged chunk's end, padding rows). Outputs are NaN-poisoned (conftest), so a
 row the kernel forgets fails the non-finite check.
 """
 import dataclasses
@@ -59,18 +58,13 @@ def _inputs(case):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prepare_fwd(case):
-    from flashdelta.kernels.prepare import compact_a, prepare_fwd
+    from flashdelta.kernels.prepare import prepare_fwd
     k, g, beta, cu = _inputs(case)
     g_cumsum, A = prepare_fwd(k, g, beta, cu)
     torch.cuda.synchronize()
     g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
     assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
     assert_close("g_cumsum", g_cumsum, g_ref)
-    if compact_a(case.H, case.HV):     # the compact layout: checked as stored, and unpacked against the dense twin
-        A_ref = ref.pack_a(A_ref, cu)
-        assert A.shape == (1, k.shape[1], case.HV // 2, 64)
-    else:
-        assert A.shape == (1, k.shape[1], case.HV, 64)
     assert_close("A", A, A_ref, baseline=A_ref.to(k.dtype))
     zero = A_ref == 0
     assert torch.all(A[zero] == 0), f"{int((A[zero] != 0).sum())} entries nonzero where the reference is 0"

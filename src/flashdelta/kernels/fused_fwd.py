@@ -38,13 +38,11 @@ Development tool: `chunk_fwd_profiled` runs a separately compiled variant (build
 per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py prints the per-role timeline.
 """
 
-from typing import Optional
-
 import tilelang
 import tilelang.language as T
 import torch
 
-from . import _ptx, _tl, prepare
+from . import _ptx, _tl
 from ._fwd_timeline import PROF_CHUNKS, PROF_CTAS, PROF_EVENTS, PROF_INDEX, marker
 
 BT_DEFAULT = 64
@@ -81,19 +79,16 @@ LOG2E = 1.4426950408889634
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
-                     compact_a: bool, store_final_state: bool, overlap: bool = True, early_release: bool = False,
+                     store_final_state: bool, overlap: bool = True, early_release: bool = False,
                      profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    compact_a: A comes as `prepare_fwd` stores it for an even HV / H (`prepare.compact_a`), two value heads per
-    ``[1, T, HV / 2, BT]`` tile (`reference.chunked.pack_a`): the prep warpgroup reads its head's triangle (the odd
-    head's transposed) and masks it. pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
     uninstrumented one.
     """
     # problem config
     G = HV // H
     NV = V // BV
-    HA = HV // 2 if compact_a else HV       # A tiles per token
     acc = "float32"
     # tiling config
     NS = NUM_STAGES
@@ -169,10 +164,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             for i, j in T.Parallel(BT, BV):
                 if i >= ln:
                     v_s[st, i, j] = T.cast(0, dtype)
-            if not compact_a:   # (compact: masked as the prep pass reads it)
-                for i, j in T.Parallel(BT, BT):
-                    if i >= ln:
-                        a_s[st, i, j] = T.cast(0, dtype)
+            for i, j in T.Parallel(BT, BT):
+                if i >= ln:
+                    a_s[st, i, j] = T.cast(0, dtype)
             T.fence_proxy_async()
             T.sync_threads(1, 128)
 
@@ -196,7 +190,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, bos, eos, i_hv, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
                   r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
@@ -208,12 +202,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            if compact_a and i_hv % 2 == 1:
-                # compact A, odd value head: its strict lower triangle is the pair tile's upper one, transposed
-                for i, j in T.Parallel(BT, BT):
-                    a_f[i, j] = a_s[st, j, i]
-            else:
-                T.copy(a_s[st, :, :], a_f)
+            T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
             T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
@@ -221,18 +210,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             T.wait_wgmma(0)
             mark(c, "p.qk_done")
             # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above the
-            # diagonal (ex2(-inf)); dense A o beta needs no mask: A is unit lower triangular with exact zeros above
-            # the diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past
-            # the end (compact A is masked here). Ae's row factor -exp(G_i) is applied here.
+            # diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros above the
+            # diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past the
+            # end. Ae's row factor -exp(G_i) is applied here.
             for i, j in T.Parallel(BT, BT):
                 gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                if compact_a:
-                    # the pair tile holds the other head's triangle above the diagonal and the next sequence's rows
-                    # past the end: keep the strict lower triangle of rows < ln, put the unit diagonal back
-                    ab = T.Select((i > j) & (i < ln), T.cast(a_f[i, j], acc),
-                                  T.Select(i == j, T.float32(1), T.float32(0))) * bj_f[j]
-                else:
-                    ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                ab = T.cast(a_f[i, j], acc) * bj_f[j]
                 ag32_f[i, j] = ab * gam
                 ab32_f[i, j] = ab * ei_f[i]
                 p_f[i, j] = p_f[i, j] * gam * scale
@@ -256,7 +239,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         v: T.Tensor((1, T_, HV, V), dtype),
         g: T.Tensor((1, T_, HV), acc),
         beta: T.Tensor((1, T_, HV), beta_dtype),
-        A: T.Tensor((1, T_, HA, BT), dtype),
+        A: T.Tensor((1, T_, HV, BT), dtype),
         h0: T.Tensor(state_shape, h0_dtype),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         o: T.Tensor((1, T_, HV, V), dtype),
@@ -269,7 +252,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
-            i_a = i_hv // 2 if compact_a else i_hv      # A tile
             v0 = i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
@@ -443,7 +425,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
-                    prep_loop(NT, bos, eos, i_hv, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
                               pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
                               ei_f)
                 else:
@@ -460,7 +442,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                            T.tma_copy(A[0, t0:t0 + BT, i_a, 0:BT], a_s[st, :, :], barrier=full[st])
+                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             mark(c, "l.va_issued")
                             if early_release:
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
@@ -502,16 +484,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
 
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                 h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool,
-                 compact_a: Optional[bool] = None) -> tuple:
-    """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. compact_a=None:
-    A in the layout `prepare_fwd` stores for these heads (`prepare.compact_a`). The last `len(SWITCHES)` entries are
-    the launcher's switch values."""
-    if compact_a is None:
-        compact_a = prepare.compact_a(H, HV)
+                 h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
+    """The `_build_chunk_fwd` arguments (its compile-cache key) for one call; shared with `warmup`. The last
+    `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
-            float(scale), bool(has_initial_state), bool(state_v_first), bool(compact_a), True, OVERLAP, EARLY_RELEASE,
-            False, PDL_SYNC)
+            float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
+            PDL_SYNC)
 
 
 def build(args: tuple, **switches):
@@ -526,8 +504,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; v: ``[1, T, HV, V]`` (same dtype); (K, V) in `HEAD_DIMS`.
         g_cumsum: ``[1, T, HV]`` fp32 chunk-local cumsum; beta: ``[1, T, HV]`` any float dtype.
-        A: the ungated WY inverse from `prepare_fwd`, in q's dtype: ``[1, T, HV, BT]`` (dense, exactly 0 above the
-            diagonal) or ``[1, T, HV / 2, BT]`` (compact, `reference.chunked.pack_a`); the shape says which.
+        A: ``[1, T, HV, BT]`` in q's dtype (ungated WY inverse, from `prepare_fwd`).
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first), fp32 or bf16, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
@@ -577,10 +554,6 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
     assert (K, V) in HEAD_DIMS, f"head dims (K={K}, V={V}) unsupported; supported {HEAD_DIMS}"
     assert q.dtype == k.dtype == v.dtype == A.dtype and q.dtype in (torch.bfloat16, torch.float16)
     assert HV % H == 0 and g_cumsum.dtype == torch.float32
-    if A.shape[:2] != (1, T_) or A.shape[3] != chunk_size or A.shape[2] not in (HV, HV // 2 if HV % 2 == 0 else HV):
-        raise ValueError(f"A: expected [1, {T_}, {HV}, {chunk_size}] (dense) or [1, {T_}, {HV // 2}, {chunk_size}] "
-                         f"(compact, HV even); got {list(A.shape)}")
-    compact_a = A.shape[2] != HV
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
@@ -597,8 +570,7 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     h0 = initial_state if initial_state is not None else ht
-    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first,
-                        compact_a)
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
                A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
     kernel = build(args, **(variant or {}))

@@ -33,16 +33,13 @@ BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
 A_IN_K = True              # the launcher's build: A assembled in the key tile (see _build_prepare_fwd)
-# A in the compact layout (reference.chunked.pack_a: two value heads' strict triangles per 64 x 64 tile, half the
-# bytes of the dense A) whenever a CTA's value heads pair up, i.e. HV / H is even; dense otherwise.
-COMPACT_A = True
 MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shared memory, measured slower)
 # Let the next kernel on the stream launch as soon as every CTA of this one has started (programmatic dependent
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("compact", "min_blocks", "skip", "profile", "a_in_k", "pdl")
+KNOBS = ("min_blocks", "skip", "profile", "a_in_k", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -95,12 +92,9 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       compact: bool = False, min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False,
+                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False,
                        pdl: bool = False):
-    """compact=True writes A in the compact layout (`COMPACT_A`; HV / H even): the even value head of a pair
-    assembles its A in the tile as in the dense layout (zeros above the diagonal), the odd one then writes its
-    strict lower triangle transposed over those zeros, and the tile is stored once per pair.
-    a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
+    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
     7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM
     fit then; slower).
@@ -111,9 +105,6 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = HV // H                     # value heads per key head
-    assert not compact or G % 2 == 0, "compact A pairs the value heads of one key head"
-    GS = 2 if compact else 1        # value heads per stored A tile
-    GA = G // GS                    # A tiles per CTA
     # beta's shared tile has a power-of-two row (nvcc 13.0's front end crashes on the level-2 code for G = 3)
     GB = 1 << (G - 1).bit_length()
     n_tok = T.dynamic("T")
@@ -143,7 +134,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         beta: T.Tensor((1, n_tok, HV), beta_dtype),
         cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
-        A: T.Tensor((1, n_tok, HV // GS, BT), k_dtype),
+        A: T.Tensor((1, n_tok, HV, BT), k_dtype),
         prof: prof_t,
     ):
         with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS,
@@ -289,55 +280,38 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
                             # [32, 32] @ [32, 32] -> [32, 32], three times each
                             _gemm_hilo(c_hi, c_lo, d1_hi, d1_lo, y_frag)
-                            if not compact or j % 2 == 0:
-                                # the diagonal blocks (unit diagonal) and zeros above them
-                                for i, c in T.Parallel(B32, B32):
-                                    a_shared[i, c] = T.cast(
-                                        T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
-                                    a_shared[i, B32 + c] = 0
-                                    a_shared[B32 + i, B32 + c] = T.cast(
-                                        T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
-                            else:
-                                # compact, odd value head: the strict lower triangles of the diagonal blocks,
-                                # transposed over the even head's zeros
-                                for i, c in T.Parallel(B32, B32):
-                                    if i > c:
-                                        a_shared[c, i] = T.cast(
-                                            T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
-                                        a_shared[B32 + c, B32 + i] = T.cast(
-                                            T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
+                                a_shared[i, B32 + c] = 0
+                                a_shared[B32 + i, B32 + c] = T.cast(
+                                    T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
                             for i, c in T.Parallel(B32, B32):
                                 # diag(beta) C D1^{-1}, in place of D1^{-1}
                                 y_val = y_frag[i, c] * beta_shared[B32 + i, j]
                                 d1_hi[i, c] = _hi(y_val)
                                 d1_lo[i, c] = _lo(y_val)
                             _gemm_hilo(d2_hi, d2_lo, d1_hi, d1_lo, z_frag)
-                            if not compact or j % 2 == 0:
-                                for i, c in T.Parallel(B32, B32):
-                                    a_shared[B32 + i, c] = -z_frag[i, c]
-                            else:   # compact, odd value head: the lower-left block transposed into the upper right
-                                for i, c in T.Parallel(B32, B32):
-                                    a_shared[c, B32 + i] = -z_frag[i, c]
+                            for i, c in T.Parallel(B32, B32):
+                                a_shared[B32 + i, c] = -z_frag[i, c]
                         stamp("h.l2", j)
-                        if not compact or j % 2 == 1:   # the tile is complete: store it
-                            for i, c in T.Parallel(BT, BT):
-                                if t0 + i < eos:
-                                    A[0, t0 + i, i_h * GA + j // GS, c] = a_shared[i, c]
+                        for i, c in T.Parallel(BT, BT):
+                            if t0 + i < eos:
+                                A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]
                         stamp("h.stored", j)
                 else:
                     # padding tail: zeros
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
                             g_cumsum[0, t0 + i, i_h * G + j] = 0
-                    if GA == 1 << (GA - 1).bit_length():
-                        for i, j, c in T.Parallel(BT, GA, BT):
+                    if G == GB:
+                        for i, j, c in T.Parallel(BT, G, BT):
                             if t0 + i < eos:
-                                A[0, t0 + i, i_h * GA + j, c] = 0
-                    else:   # TileLang finds no layout for a (64, GA, 64) parallel loop with GA = 3
-                        for j in T.serial(GA):
+                                A[0, t0 + i, i_h * G + j, c] = 0
+                    else:   # TileLang finds no layout for a (64, G, 64) parallel loop with G = 3
+                        for j in T.serial(G):
                             for i, c in T.Parallel(BT, BT):
                                 if t0 + i < eos:
-                                    A[0, t0 + i, i_h * GA + j, c] = 0
+                                    A[0, t0 + i, i_h * G + j, c] = 0
             stamp("m.clk1", cal=True)
 
     return prepare_fwd_kernel
@@ -384,13 +358,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], compact_a(H, HV), MIN_BLOCKS, 0, False,
-            A_IN_K, PDL_TRIGGER)
-
-
-def compact_a(H: int, HV: int) -> bool:
-    """Whether `prepare_fwd` returns A compact (``[1, T, HV / 2, BT]``, `reference.chunked.pack_a`) for these heads."""
-    return COMPACT_A and (HV // H) % 2 == 0
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, 0, False, A_IN_K,
+            PDL_TRIGGER)
 
 
 def build_fwd(args: tuple, **knobs):
@@ -409,9 +378,8 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
     Returns:
-        g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A in k's dtype: token ``chunk_start + i`` holds row i
-        of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``, ``[1, T, HV, BT]``, or where `compact_a(H, HV)` the
-        compact ``[1, T, HV / 2, BT]`` (`reference.chunked.pack_a`: two value heads' strict triangles per tile).
+        g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
+        ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``.
     """
     _, n_tok, H, K = k.shape
     HV = g.shape[-1]
@@ -420,7 +388,7 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     assert k.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
     cu_seqlens = _check_cu_seqlens(cu_seqlens)
     g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
-    A = _tl.alloc((1, n_tok, HV // 2 if compact_a(H, HV) else HV, chunk_size), k.dtype, k.device)
+    A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
     kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype))
@@ -441,7 +409,7 @@ def prepare_fwd_profiled(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, c
     HV = g.shape[-1]
     cu_seqlens = _check_cu_seqlens(cu_seqlens)
     g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
-    A = _tl.alloc((1, n_tok, HV // 2 if compact_a(H, HV) else HV, 64), k.dtype, k.device)
+    A = _tl.alloc((1, n_tok, HV, 64), k.dtype, k.device)
     prof = torch.zeros((PROF_SLOTS, len(PROF_EVENTS)), dtype=torch.int64, device=k.device)
     kernel = build_fwd(builder_args(H, HV, K, k.dtype, beta.dtype), skip=skip, profile=True)
     kernel(k, g, beta, cu_seqlens, g_cumsum, A, prof)

@@ -12,7 +12,7 @@ from .. import portable as _p
 
 __all__ = [
     "l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
-    "chunked_fwd", "chunked_bwd", "pack_a", "unpack_a",
+    "chunked_fwd", "chunked_bwd",
 ]
 
 _F64 = dict(compute_dtype=torch.float64, operand_dtype=None)
@@ -68,36 +68,3 @@ def chunked_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, 
     return _p.chunked_bwd(_up(q), _up(k), _up(v), _up(g_cumsum), _up(beta), _up(A), _up(initial_state), _up(do),
                           _up(dht), cu_seqlens, scale=scale, state_v_first=state_v_first, H=H,
                           chunk_size=chunk_size, **_F64)
-
-
-# ------------------------------------------------------------------------------- compact A (SM90 kernel set)
-# A is unit lower triangular, so the SM90 kernels store two value heads' A in one BT x BT tile per chunk:
-# `Ap [1, T, HV / 2, BT]`, token `chunk_start + i` of pair p holding A_2p[i, j] at columns j <= i (the even head's
-# row, unit diagonal included) and A_2p+1[j, i] at columns j > i (the odd head's column i below its diagonal).
-# Exact rearrangements: dtype preserved, no arithmetic.
-
-def pack_a(A, cu_seqlens, *, chunk_size=64):
-    """Dense ``A [1, T, HV, BT]`` (as `prepare_fwd` returns it, HV even) -> compact ``Ap [1, T, HV / 2, BT]``."""
-    HV = A.shape[2]
-    if HV % 2:
-        raise ValueError(f"A: the compact layout pairs value heads, HV must be even; got HV={HV}")
-    lay = _p.chunk_layout(cu_seqlens, A.shape[1], chunk_size, A.device)
-    Ac = _p._gather(A, lay, A.dtype)                                  # [NT, HV, BT, BT]
-    BT = lay.BT
-    lower = _p._tril(BT, A.device, 0)
-    zero = torch.zeros((), dtype=A.dtype, device=A.device)
-    packed = torch.where(lower, Ac[:, 0::2], zero) + torch.where(~lower, Ac[:, 1::2].mT, zero)
-    return _p._scatter(packed, lay, A.dtype)
-
-
-def unpack_a(Ap, cu_seqlens, *, chunk_size=64):
-    """Compact ``Ap [1, T, HV / 2, BT]`` -> dense ``A [1, T, HV, BT]`` (the odd heads' unit diagonal restored;
-    rows of the padding tail are 0)."""
-    lay = _p.chunk_layout(cu_seqlens, Ap.shape[1], chunk_size, Ap.device)
-    Pc = _p._gather(Ap, lay, Ap.dtype)                                # [NT, HV / 2, BT, BT], rows past the end 0
-    BT = lay.BT
-    lower = _p._tril(BT, Ap.device, -1)
-    zero = torch.zeros((), dtype=Ap.dtype, device=Ap.device)
-    eye = torch.eye(BT, dtype=Ap.dtype, device=Ap.device)
-    Ac = torch.stack((torch.where(lower | eye.bool(), Pc, zero), torch.where(lower, Pc.mT, zero) + eye), dim=2)
-    return _p._scatter(Ac.flatten(1, 2), lay, Ap.dtype)

@@ -8,8 +8,9 @@ Each variant is a set of `fused_fwd.SWITCHES` values (see VARIANTS); all run on 
 against the launcher's kernel (max abs difference: 0 or rounding-level expected), then times the kernel alone
 (CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
 (PREPARE_VARIANTS; max|do| is then max |A - A_torch|). With --pair it also times prepare_fwd followed by the
-fused kernel, both launches captured in one CUDA graph, with programmatic dependent launch off and on
-(prepare `pdl` knob + fused `pdl` switch). The table is printed last.
+fused kernel, both launches captured in one CUDA graph, with prepare's value heads per CTA as the launcher picks
+them and with all of a key head's (`prepare.pick_heads_per_cta`; the same build where they agree). PDL (prepare
+`pdl` + fused `pdl`) was measured this way in session 5: no gain. --heads picks H/HV. The table is printed last.
 """
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ def builder_flags(ff, name):
     return args, VARIANTS[name]
 
 
+def pair_builds(prepare, spec):
+    """--pair's prepare builds for a token spec: (name, heads per CTA): the launcher's pick and all heads."""
+    L, n = (int(x) for x in spec.split("x")) if "x" in spec else (int(spec), 1)
+    G = HV // H
+    return [("launcher", prepare.pick_heads_per_cta(H, HV, L * n)), ("all-heads", G)]
+
+
 def main():
     global H, HV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,7 +64,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
-    ap.add_argument("--pair", action="store_true", help="also time prepare + fused in one graph, PDL off / on")
+    ap.add_argument("--pair", action="store_true",
+                    help="also time prepare + fused in one graph: the launcher's heads per CTA and all heads")
     ap.add_argument("--compile-only", action="store_true", help="build every variant (no GPU needed) and exit")
     ap.add_argument("--profiled", action="store_true", help="with --compile-only: also the timeline builds")
     args = ap.parse_args()
@@ -75,10 +84,11 @@ def main():
     pargs = prepare.builder_args(H, HV, K, _torch.bfloat16, _torch.float32)
     if args.compile_only:
         if args.pair:
-            for pdl in (False, True):
-                prepare.build_fwd(pargs, pdl=pdl)
-                ff.build(builder_flags(ff, "default")[0], pdl=pdl)
-            print("built the PDL pair", flush=True)
+            for tokens in args.tokens.split(","):
+                for _, hpc in pair_builds(prepare, tokens):
+                    prepare.build_fwd(pargs, heads_per_cta=hpc)
+            ff.build(builder_flags(ff, "default")[0])
+            print("built the pairs", flush=True)
         if args.prepare:
             for name, knobs in prepare_variants.items():
                 prepare.build_fwd(pargs, **knobs)
@@ -128,8 +138,9 @@ def main():
             gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
             o, ht = torch.empty_like(o_ref), torch.empty_like(ht_ref)
             o_off = None
-            for pdl in (False, True):
-                kp, kf = prepare.build_fwd(pargs, pdl=pdl), ff.build(builder_flags(ff, "default")[0], pdl=pdl)
+            kf = ff.build(builder_flags(ff, "default")[0])
+            for pname, hpc in pair_builds(prepare, spec):
+                kp = prepare.build_fwd(pargs, heads_per_cta=hpc)
 
                 def pair():
                     kp(k, g, beta, cu, gc_out, A_out)
@@ -141,11 +152,11 @@ def main():
                 with torch.cuda.graph(graph):
                     pair()
                 ms = cuda_time(graph.replay, args.reps)
-                if o_off is None:   # PDL must not change a bit: max|do| is against the pdl=False pair
+                if o_off is None:   # the split must not change a bit: max|do| is against the first pair
                     o_off = o.clone()
                 d_o = (o.float() - o_off.float()).abs().max().item()
-                rows.append((spec, f"pair-pdl{int(pdl)}", ms, ms * 1e3 / NT, d_o, 0.0))
-                print(f"{spec} prepare+fused pdl={pdl}: {ms:.4f} ms (graph)", flush=True)
+                rows.append((spec, f"pair-{pname}", ms, ms * 1e3 / NT, d_o, 0.0))
+                print(f"{spec} prepare+fused {pname} (heads per CTA {hpc}): {ms:.4f} ms (graph)", flush=True)
         for name in names:
             a, flags = builder_flags(ff, name)
             kernel = ff.build(a, **flags)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the open experiments (NOTES-gpu.md), logs under $OUT. Timing first (the kernels come from the
 # carried TileLang cache), then the GPU test tier (four files in parallel; test_e2e_gpu compiles its kernels there):
-#   1. the fused forward: launcher's kernel vs the early_release switch (bench/fwd_variants.py) on one sequence of
-#      8192 and 32768 tokens and on 4 x 8192, prepare_fwd's builds, and prepare + fused in one CUDA graph with
-#      programmatic dependent launch off and on (--pair);
+#   1. the fused kernel and prepare_fwd at 16/64 1x32k (bench/fwd_variants.py), and on short rows (2/8, 4/16, 8/32;
+#      1x2048, 1x4096, 4x2048) prepare + fused in one CUDA graph with prepare's value heads per CTA as the launcher
+#      picks them and with all of a key head's (--pair);
 #   2. the per-role timeline of the launcher's kernel (bench/profile_fwd.py) and prepare's phases (profile_prepare.py);
 #   3. the GPU test tier.
 # Build the TileLang cache on the CPU machine first and carry it packed (bench/tlcache.sh pack), then:
@@ -13,8 +13,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
-timeout 150 python3 bench/fwd_variants.py --tokens 8192,32768,8192x4 --prepare --pair \
-  --variants default,no-early-release 2>&1 | quiet > "$OUT/exp_variants.log"
+timeout 60 python3 bench/fwd_variants.py --tokens 32768 --prepare --prepare-variants prepare --variants default \
+  2>&1 | quiet > "$OUT/exp_variants.log"
+# prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
+for hv in 2/8 4/16 8/32; do
+  timeout 40 python3 bench/fwd_variants.py --heads $hv --tokens 2048,4096,2048x4 --pair --variants default --reps 50 \
+    2>&1 | quiet > "$OUT/exp_pairs_${hv/\//v}.log"
+done
 echo "A/B done at $(( $(date +%s) - t0 )) s"
 timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$OUT/exp_profile.log"
 timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$OUT/exp_profile_prepare.log"
@@ -26,4 +31,5 @@ wait
 for f in $L/test_*.log; do echo "===== $f"; quiet < "$f"; done > "$OUT/exp_tests.log"
 echo "tests done at $(( $(date +%s) - t0 )) s"
 for f in $L/test_*.log; do echo "== $f: $(tail -n 1 "$f")"; done
-tail -n 30 "$OUT/exp_profile.log"; tail -n 16 "$OUT/exp_variants.log"
+tail -n 30 "$OUT/exp_profile.log"; tail -n 4 "$OUT/exp_variants.log"
+for f in "$OUT"/exp_pairs_*.log; do echo "== $f"; grep -E "^ +[0-9x]+ +pair-" "$f"; done

@@ -49,8 +49,10 @@ def tests():
         if c in VARIANT_CASES:
             for name, switches in SWITCH_SETS.items():
                 _timed(f"chunk_fwd {c.name} {name}", lambda: fused_fwd.build(args, **switches))
-    for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype) for c in PREP_CASES):
-        _timed(f"prepare_fwd {args[:3]}", lambda: prepare.build_fwd(args))
+    # every heads-per-CTA split (test_prepare_fwd_heads_per_cta runs them all; the launcher picks one by size)
+    for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
+                              for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
+        _timed(f"prepare_fwd {args[:3]} heads/CTA {args[-len(prepare.KNOBS)]}", lambda: prepare.build_fwd(args))
 
 
 def e2e():

@@ -39,7 +39,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -88,3 +88,27 @@ def test_prepare_fwd_pdl_trigger_switch():
     assert on.count("cudaTriggerProgrammaticLaunchCompletion()") == 1 and not divergent_syncs(on)
     default = prepare.build_fwd(args).get_kernel_source()
     assert ("cudaTriggerProgrammaticLaunchCompletion" in default) == prepare.PDL_TRIGGER
+
+
+@pytest.mark.parametrize("H,HV,hpc", [(16, 64, 1), (16, 64, 2), (2, 6, 1)])
+def test_prepare_fwd_heads_per_cta_compiles(H, HV, hpc):
+    """Fewer value heads per CTA (small grids): HV / H / hpc CTAs per (chunk slot, key head), same checks."""
+    args = prepare.builder_args(H, HV, 128, torch.bfloat16, torch.float32, hpc)
+    assert args[-len(prepare.KNOBS)] == hpc
+    src = prepare.build_fwd(args).get_kernel_source()
+    _check_fwd_source(src, torch.bfloat16)
+    assert prepare.builder_args(H, HV, 128, torch.bfloat16, torch.float32, HV // H) == \
+        prepare.builder_args(H, HV, 128, torch.bfloat16, torch.float32)   # all heads: the default's cache key
+
+
+def test_pick_heads_per_cta():
+    """The launcher splits a key head's value heads over more CTAs only while the chunks still fit one wave of
+    MIN_BLOCKS CTAs per SM (132 SMs): short sequences with few heads; TP1-size grids keep every head in one CTA."""
+    pick = prepare.pick_heads_per_cta
+    assert prepare.heads_per_cta_options(16, 64) == (4, 2, 1)
+    assert prepare.heads_per_cta_options(8, 24) == (3, 1)
+    assert prepare.heads_per_cta_options(16, 16) == (1,)
+    assert pick(2, 8, 2048) == 1 and pick(4, 16, 2048) == 1      # 256 / 512 CTAs
+    assert pick(8, 32, 2048) == 2 and pick(2, 8, 8192) == 2      # 512 CTAs
+    assert pick(16, 64, 2048) == 4 and pick(16, 64, 32768) == 4 and pick(8, 24, 2048) == 3
+    assert pick(2, 8, 2048, num_sms=16) == 4                     # a smaller GPU: one wave holds fewer

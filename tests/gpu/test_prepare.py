@@ -72,6 +72,20 @@ def test_prepare_fwd(case):
         assert torch.all(g_cumsum[:, -case.pad:] == 0)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9]], ids=str)
+def test_prepare_fwd_heads_per_cta(case):
+    """Every split of a key head's value heads over CTAs gives the same bits (each head's inverse is computed the
+    same way; only which CTA does it changes), and the launcher's pick is one of them."""
+    from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
+    k, g, beta, cu = _inputs(case)
+    auto = prepare_fwd(k, g, beta, cu)
+    for hpc in heads_per_cta_options(case.H, case.HV):
+        g_cumsum, A = prepare_fwd(k, g, beta, cu, heads_per_cta=hpc)
+        assert torch.equal(g_cumsum, auto[0]) and torch.equal(A, auto[1]), f"heads_per_cta={hpc}"
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        prepare_fwd(k, g, beta, cu, heads_per_cta=case.HV // case.H + 1)
+
+
 def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
     from flashdelta.kernels.prepare import prepare_fwd
     case = CASES[1]

@@ -22,6 +22,9 @@ step for up to 127 sequences); slots that fall past a sequence's last chunk exit
 `[cu_seqlens[-1], T)` is treated as sequence `N`, whose chunks write zeros to `g_cumsum` and `A`.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import functools
+from typing import Optional
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -39,7 +42,7 @@ MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shar
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("min_blocks", "skip", "profile", "a_in_k", "pdl")
+KNOBS = ("heads_per_cta", "min_blocks", "skip", "profile", "a_in_k", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -92,9 +95,12 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       min_blocks: int = 4, skip: int = 0, profile: bool = False, a_in_k: bool = False,
-                       pdl: bool = False):
-    """a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
+                       heads_per_cta: int = 0, min_blocks: int = 4, skip: int = 0, profile: bool = False,
+                       a_in_k: bool = False, pdl: bool = False):
+    """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
+    more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
+    small (`pick_heads_per_cta`).
+    a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
     7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM
     fit then; slower).
@@ -104,7 +110,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     writes %clock64 at each `PROF_EVENTS` phase end (bench/profile_prepare.py reads it)."""
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
-    G = HV // H                     # value heads per key head
+    G = heads_per_cta or HV // H    # value heads per CTA
+    NG = HV // H // G               # CTAs per (chunk slot, key head)
+    assert (HV // H) % G == 0
     # beta's shared tile has a power-of-two row (nvcc 13.0's front end crashes on the level-2 code for G = 3)
     GB = 1 << (G - 1).bit_length()
     n_tok = T.dynamic("T")
@@ -137,20 +145,22 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
         prof: prof_t,
     ):
-        with T.Kernel(n_tok // BT + n_seqs + 1, H, threads=THREADS,
-                      prelude=_ptx.PROF_PRELUDE if profile else None) as (i_s, i_h):
+        with T.Kernel(n_tok // BT + n_seqs + 1, H * NG, threads=THREADS,
+                      prelude=_ptx.PROF_PRELUDE if profile else None) as (i_s, i_y):
             T.annotate_min_blocks_per_sm(min_blocks)
             if pdl:
                 T.pdl_trigger()
             tid = T.get_thread_binding()
-            stamp = stamper(prof, i_s, i_h, tid)
+            i_h = i_y // NG                 # key head
+            hv0 = i_y * G                   # first value head: key head i_h owns value heads [i_h, i_h + 1) * G * NG
+            stamp = stamper(prof, i_s, i_y, tid)
             stamp("m.clk0", cal=True)
             chunk = T.alloc_local((3,), "int32")
             _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT, chunk)
             stamp("found")
             if profile:
                 # an ordinary TIR store, so TileLang passes `prof` as a writable pointer; the chunk's first token
-                if (tid == 0) & (i_h == 0) & (i_s < PROF_SLOTS):
+                if (tid == 0) & (i_y == 0) & (i_s < PROF_SLOTS):
                     prof[i_s, PROF_INDEX["m.t0"]] = T.cast(chunk[1], "int64")
             seq, t0, eos = chunk[0], chunk[1], chunk[2]
 
@@ -191,9 +201,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     for i, d in T.Parallel(BT, K):
                         k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
                     for i, j in T.Parallel(BT, G):
-                        g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, i_h * G + j], 0)
+                        g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, hv0 + j], 0)
                         beta_shared[i, j] = T.if_then_else(
-                            t0 + i < eos, T.cast(beta[0, t0 + i, i_h * G + j], F32), 0)
+                            t0 + i < eos, T.cast(beta[0, t0 + i, hv0 + j], F32), 0)
                     for i, c in T.Parallel(B32, B32):
                         # the upper-right 16x16 block of D2 stays zero for every value head
                         d2_hi[i, c] = 0
@@ -215,7 +225,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     T.cumsum(g_shared[:, 0:G], dim=0)
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
-                            g_cumsum[0, t0 + i, i_h * G + j] = g_shared[i, j]
+                            g_cumsum[0, t0 + i, hv0 + j] = g_shared[i, j]
                     stamp("cumsum")
 
                     for j in T.serial(G):
@@ -296,22 +306,22 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         stamp("h.l2", j)
                         for i, c in T.Parallel(BT, BT):
                             if t0 + i < eos:
-                                A[0, t0 + i, i_h * G + j, c] = a_shared[i, c]
+                                A[0, t0 + i, hv0 + j, c] = a_shared[i, c]
                         stamp("h.stored", j)
                 else:
                     # padding tail: zeros
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
-                            g_cumsum[0, t0 + i, i_h * G + j] = 0
+                            g_cumsum[0, t0 + i, hv0 + j] = 0
                     if G == GB:
                         for i, j, c in T.Parallel(BT, G, BT):
                             if t0 + i < eos:
-                                A[0, t0 + i, i_h * G + j, c] = 0
+                                A[0, t0 + i, hv0 + j, c] = 0
                     else:   # TileLang finds no layout for a (64, G, 64) parallel loop with G = 3
                         for j in T.serial(G):
                             for i, c in T.Parallel(BT, BT):
                                 if t0 + i < eos:
-                                    A[0, t0 + i, i_h * G + j, c] = 0
+                                    A[0, t0 + i, hv0 + j, c] = 0
             stamp("m.clk1", cal=True)
 
     return prepare_fwd_kernel
@@ -356,19 +366,43 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
-def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple:
-    """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`."""
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], MIN_BLOCKS, 0, False, A_IN_K,
+def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
+                 heads_per_cta: int = 0) -> tuple:
+    """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
+    heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
+    hpc = 0 if heads_per_cta in (0, HV // H) else int(heads_per_cta)
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], hpc, MIN_BLOCKS, 0, False, A_IN_K,
             PDL_TRIGGER)
+
+
+def heads_per_cta_options(H: int, HV: int) -> tuple:
+    """The value-heads-per-CTA splits the launcher may take, most first: HV / H, half of it (if even), 1."""
+    G = HV // H
+    return tuple(dict.fromkeys(x for x in (G, G // 2 if G % 2 == 0 else G, 1)))
+
+
+def pick_heads_per_cta(H: int, HV: int, n_tok: int, num_sms: int = 132, chunk_size: int = 64) -> int:
+    """Value heads per CTA for a call: the fewest (of `heads_per_cta_options`) that still fit the grid's chunks in
+    one wave of `MIN_BLOCKS` CTAs per SM. A CTA inverts its heads one after another, so on a small grid (short
+    sequences, few heads: a wave or less) its lifetime is the kernel's time; splitting the heads over more CTAs
+    shortens it (each CTA repeats the key tile load and K K^T). Measured: NOTES-gpu.md session 5."""
+    chunks = -(-n_tok // chunk_size)
+    capacity = MIN_BLOCKS * num_sms
+    for hpc in reversed(heads_per_cta_options(H, HV)):
+        if chunks * HV // hpc <= capacity:
+            return hpc
+    return HV // H
 
 
 def build_fwd(args: tuple, **knobs):
     """The kernel for `builder_args(...)` with some `KNOBS` replaced by name (development variants)."""
+    if knobs.get("heads_per_cta") == args[0] // args[1]:   # all of a key head's value heads: the default's key
+        knobs = dict(knobs, heads_per_cta=0)
     return _tl.build_with(_build_prepare_fwd, args, KNOBS, knobs)
 
 
 def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_size: int = 64, heads_per_cta: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-local gate cumsum and the per-chunk WY inverse.
 
     Args:
@@ -376,6 +410,7 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         g: ``[1, T, HV]`` fp32 log decays.
         beta: ``[1, T, HV]`` any float dtype.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+        heads_per_cta: value heads per CTA, a divisor of HV / H; None: `pick_heads_per_cta(...)` for this call.
 
     Returns:
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
@@ -391,9 +426,18 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
-    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype))
+    if heads_per_cta is None:
+        heads_per_cta = pick_heads_per_cta(H, HV, n_tok, _num_sms(k.device), chunk_size)
+    elif heads_per_cta < 1 or (HV // H) % heads_per_cta:
+        raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")
+    kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prepare_fwd_profiled(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,

@@ -1,7 +1,8 @@
 """Stage `prepare`: chunk-local gate cumsum and the ungated WY inverse (forward), reverse gate cumsum (backward).
 
 Forward, one launch: a CTA per (chunk slot, key head) loads the chunk's keys once, computes `K K^T` with
-wgmma (fp32 accumulate) and, for each of the `HV / H` value heads of the group,
+wgmma (fp32 accumulate) and, for each of the `HV / H` value heads of the group (on small grids the launcher
+splits them over 2 or HV / H CTAs, `pick_heads_per_cta`, each repeating the load and K K^T),
 
     A = (I + strictly_lower(diag(beta) K K^T))^{-1}                    # [BT, BT], BT = 64
 

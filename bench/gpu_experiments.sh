@@ -10,26 +10,29 @@
 #   source .device/bootstrap.sh; source bench/tlcache.sh unpack; bash bench/gpu_experiments.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# logs go to $L (bench/gated_grid.sh reads them there) and come back as one tarball: the device returns at most
+# 8 files from $OUT
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
 timeout 60 python3 bench/fwd_variants.py --tokens 32768 --prepare --prepare-variants prepare --variants default \
-  2>&1 | quiet > "$OUT/exp_variants.log"
+  2>&1 | quiet > "$L/exp_variants.log"
 # prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
 for hv in 2/8 4/16 8/32; do
   timeout 40 python3 bench/fwd_variants.py --heads $hv --tokens 2048,4096,2048x4 --pair --variants default --reps 50 \
-    2>&1 | quiet > "$OUT/exp_pairs_${hv/\//v}.log"
+    2>&1 | quiet > "$L/exp_pairs_${hv/\//v}.log"
 done
 echo "A/B done at $(( $(date +%s) - t0 )) s"
-timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$OUT/exp_profile.log"
-timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$OUT/exp_profile_prepare.log"
+OUT=$L timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$L/exp_profile.log"
+OUT=$L timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$L/exp_profile_prepare.log"
 echo "timeline done at $(( $(date +%s) - t0 )) s"
 for f in prepare fwd e2e_gpu l2norm; do
   timeout 240 python3 -m pytest tests/gpu/test_$f.py -q -p no:cacheprovider > "$L/test_$f.log" 2>&1 &
 done
 wait
-for f in $L/test_*.log; do echo "===== $f"; quiet < "$f"; done > "$OUT/exp_tests.log"
+for f in $L/test_*.log; do echo "===== $f"; quiet < "$f"; done > "$L/exp_tests.log"
 echo "tests done at $(( $(date +%s) - t0 )) s"
 for f in $L/test_*.log; do echo "== $f: $(tail -n 1 "$f")"; done
-tail -n 30 "$OUT/exp_profile.log"; tail -n 4 "$OUT/exp_variants.log"
-for f in "$OUT"/exp_pairs_*.log; do echo "== $f"; grep -E "^ +[0-9x]+ +pair-" "$f"; done
+tail -n 30 "$L/exp_profile.log"; tail -n 4 "$L/exp_variants.log"
+for f in "$L"/exp_pairs_*.log; do echo "== $f"; grep -E "^ +[0-9x]+ +pair-" "$f"; done
+tar -C "$L" -czf "$OUT/exp_logs.tar.gz" $(cd "$L" && ls *.log *.pt 2>/dev/null)

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
+    "prefetch": {"prefetch": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
 # (timing only, A is wrong)

@@ -92,3 +92,13 @@ def test_pdl_sync_switch():
     assert "cu_seqlens[" not in head and "h0[" not in head and "cu_seqlens[" in body
     default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert ("cudaGridDependencySynchronize" in default) == fused_fwd.PDL_SYNC
+
+
+def test_prefetch_switch():
+    """prefetch=True (`fused_fwd.PREFETCH`): the load warp asks L2 for the next chunk's q/k rows (PTX
+    prefetch.global.L2); off in the launcher's build until measured."""
+    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], prefetch=True).get_kernel_source()
+    assert "prefetch.global.L2" in on and on.count("fd_prefetch_rows(") == 3   # the helper + q and k
+    assert on.count("__syncthreads()") == 1
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert ("fd_prefetch_rows" in default) == fused_fwd.PREFETCH

@@ -84,3 +84,18 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
   }
 }
 """
+
+# Prepended with the fused kernel's `prefetch` switch: the load warp asks L2 for the 128-byte lines of the next
+# chunk's q/k tile rows [0, rows) (`row_bytes` each, `pitch` bytes apart) a loop iteration before its TMA copies, so the
+# copies that follow hit L2 (NOTES-gpu.md session 5: the prep warpgroup waits on the q/k loads in the plain build).
+# Rows past the tensor's end are never touched (the caller clamps `rows`).
+PREFETCH_ROWS_PRELUDE = r"""
+__device__ __forceinline__ void fd_prefetch_rows(const void* base, int rows, long long pitch, int row_bytes,
+                                                 int lane) {
+  const int lines = (row_bytes + 127) >> 7;
+  const char* const p = static_cast<const char*>(base);
+  for (int i = lane; i < rows * lines; i += 32) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p + (i / lines) * pitch + (i % lines) * 128));
+  }
+}
+"""

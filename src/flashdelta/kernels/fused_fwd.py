@@ -63,9 +63,13 @@ EARLY_RELEASE = True
 # copy) is then the one waited for. TileLang's tvm_ffi launcher sets the programmatic attribute for kernels with a
 # pdl_sync (bench/probe_pdl.py, NOTES-gpu.md session 4).
 PDL_SYNC = False
+# L2 prefetch of the next chunk's q/k rows by the load warp at its loop top, a ring slot ahead of their TMA copies
+# (the prep warpgroup waits on the q/k loads in the plain build, whose ring slot frees last: NOTES-gpu.md session 5).
+# Off until measured.
+PREFETCH = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -80,10 +84,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False):
+                     profile: bool = False, pdl: bool = False, prefetch: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
+    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
     uninstrumented one.
     """
     # problem config
@@ -246,7 +250,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "") + \
+            (_ptx.PREFETCH_ROWS_PRELUDE if prefetch else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
@@ -436,6 +441,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             st = c % NS
                             t0 = bos + c * BT
                             mark(c, "l.begin")
+                            if prefetch:
+                                if c + 1 < NT:   # the next chunk's q/k rows of this sequence, into L2
+                                    t1 = T.cast(t0 + BT, "int64")
+                                    n1 = T.min(eos - (t0 + BT), BT)
+                                    lane = tx - 256
+                                    T.call_extern("handle", "fd_prefetch_rows", T.address_of(q[0, t1, i_h, 0]), n1,
+                                                  H * K * 2, K * 2, lane)
+                                    T.call_extern("handle", "fd_prefetch_rows", T.address_of(k[0, t1, i_h, 0]), n1,
+                                                  H * K * 2, K * 2, lane)
                             if early_release:
                                 T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             else:
@@ -489,7 +503,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC)
+            PDL_SYNC, PREFETCH)
 
 
 def build(args: tuple, **switches):

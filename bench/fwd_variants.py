@@ -36,6 +36,7 @@ PREPARE_VARIANTS = {
     "prepare-mb5": {"min_blocks": 5},
     "prepare-skip-l12": {"skip": 2},
     "prepare-kkt-only": {"skip": 3},
+    "prepare-l0-split": {"l0_split": True},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

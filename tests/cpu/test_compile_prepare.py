@@ -39,7 +39,8 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER,
+                                          prepare.L0_SPLIT)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -112,3 +113,13 @@ def test_pick_heads_per_cta():
     assert pick(8, 32, 2048) == 2 and pick(2, 8, 8192) == 2      # 512 CTAs
     assert pick(16, 64, 2048) == 4 and pick(16, 64, 32768) == 4 and pick(8, 24, 2048) == 3
     assert pick(2, 8, 2048, num_sms=16) == 4                     # a smaller GPU: one wave holds fewer
+
+
+def test_prepare_fwd_l0_split_knob():
+    """l0_split=True (`prepare.L0_SPLIT`): the substitutions land in an fp32 tile and all four warps split it into
+    the hi/lo tiles with packed stores; no barrier under a thread-dependent branch; off in the launcher's build."""
+    args = prepare.builder_args(*FWD_VARIANTS[0])
+    on = prepare.build_fwd(args, l0_split=True).get_kernel_source()
+    _check_fwd_source(on, torch.bfloat16)
+    assert "x0_shared" in on
+    assert ("x0_shared" in prepare.build_fwd(args).get_kernel_source()) == prepare.L0_SPLIT

@@ -86,6 +86,25 @@ def test_prepare_fwd_heads_per_cta(case):
         prepare_fwd(k, g, beta, cu, heads_per_cta=case.HV // case.H + 1)
 
 
+# Development knobs of the prepare builder (prepare.KNOBS) other than the launcher's that must not change a bit.
+KNOB_SETS = {"l0-split": {"l0_split": True}}
+KNOB_CASES = [CASES[1], CASES[3], CASES[9], CASES[7]]
+
+
+@pytest.mark.parametrize("knobs", list(KNOB_SETS))
+@pytest.mark.parametrize("case", KNOB_CASES, ids=str)
+def test_prepare_fwd_knob_variant(case, knobs):
+    """A knob variant's g_cumsum and A equal the launcher's build bit for bit (same arithmetic, other schedule)."""
+    from flashdelta.kernels import prepare
+    k, g, beta, cu = _inputs(case)
+    g_ref, A_ref = prepare.prepare_fwd(k, g, beta, cu, heads_per_cta=case.HV // case.H)
+    args = prepare.builder_args(case.H, case.HV, case.K, case.dtype, case.beta_dtype)
+    g_cumsum, A = torch.full_like(g_ref, float("nan")), torch.full_like(A_ref, float("nan"))
+    prepare.build_fwd(args, **KNOB_SETS[knobs])(k, g, beta, cu.to(torch.int32), g_cumsum, A)
+    torch.cuda.synchronize()
+    assert torch.equal(g_cumsum, g_ref) and torch.equal(A, A_ref)
+
+
 def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
     from flashdelta.kernels.prepare import prepare_fwd
     case = CASES[1]

@@ -42,8 +42,13 @@ MIN_BLOCKS = 4             # CTAs per SM the registers must allow (5 fit in shar
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
+# Level 0 in two steps (off until measured on a GPU): warps 0-1 run the forward substitutions into an fp32 shared
+# tile, then all four warps split it into the bf16 hi/lo tiles with packed stores. ncu (NOTES-gpu.md session 5):
+# level 0 is a third of the kernel's instructions, mostly the 64 scalar hi/lo stores per thread, while warps 2-3 wait
+# at the barrier after it.
+L0_SPLIT = False
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("heads_per_cta", "min_blocks", "skip", "profile", "a_in_k", "pdl")
+KNOBS = ("heads_per_cta", "min_blocks", "skip", "profile", "a_in_k", "pdl", "l0_split")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -97,13 +102,13 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
                        heads_per_cta: int = 0, min_blocks: int = 4, skip: int = 0, profile: bool = False,
-                       a_in_k: bool = False, pdl: bool = False):
+                       a_in_k: bool = False, pdl: bool = False, l0_split: bool = False):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
     more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
     small (`pick_heads_per_cta`).
     a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
-    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`. `min_blocks` bounds the registers (5 CTAs per SM
+    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`; l0_split: see `L0_SPLIT`. `min_blocks` bounds the registers (5 CTAs per SM
     fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
@@ -196,6 +201,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             # writes off one bank), or its own buffer (+8: the same for a plain row-major tile)
             a_shared = k_shared if a_in_k else T.alloc_shared((BT, BT + 8), k_dtype)
             x_local = T.alloc_local((B16,), F32)
+            # l0_split: the four 16x16 diagonal inverses in fp32, between the substitution and the hi/lo split
+            x0_shared = T.alloc_shared((4, B16, B16), F32) if l0_split else None
 
             if t0 < eos:
                 if seq < n_seqs:
@@ -241,29 +248,55 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                         x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
                                     x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
                                         beta_shared[blk * B16 + r, j] * x_local[r]
-                                off = (blk % 2) * B16
-                                if blk < 2:
+                                if l0_split:
                                     for r in T.unroll(B16):
-                                        d1_hi[off + r, off + col] = _hi(x_local[r])
-                                        d1_lo[off + r, off + col] = _lo(x_local[r])
-                                    if blk == 1:
-                                        # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                        x0_shared[blk, r, col] = x_local[r]
+                                else:
+                                    off = (blk % 2) * B16
+                                    if blk < 2:
                                         for r in T.unroll(B16):
-                                            d1_hi[r, B16 + col] = 0
-                                            d1_lo[r, B16 + col] = 0
-                                else:
-                                    for r in T.unroll(B16):
-                                        d2_hi[off + r, off + col] = _hi(x_local[r])
-                                        d2_lo[off + r, off + col] = _lo(x_local[r])
-                                if blk % 2 == 0:
-                                    for r in T.unroll(B16):
-                                        de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
-                                        de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
-                                else:
-                                    for r in T.unroll(B16):
-                                        do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
-                                        do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
-
+                                            d1_hi[off + r, off + col] = _hi(x_local[r])
+                                            d1_lo[off + r, off + col] = _lo(x_local[r])
+                                        if blk == 1:
+                                            # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                            for r in T.unroll(B16):
+                                                d1_hi[r, B16 + col] = 0
+                                                d1_lo[r, B16 + col] = 0
+                                    else:
+                                        for r in T.unroll(B16):
+                                            d2_hi[off + r, off + col] = _hi(x_local[r])
+                                            d2_lo[off + r, off + col] = _lo(x_local[r])
+                                    if blk % 2 == 0:
+                                        for r in T.unroll(B16):
+                                            de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
+                                            de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
+                                    else:
+                                        for r in T.unroll(B16):
+                                            do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
+                                            do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
+                            if l0_split:
+                                # all four warps: hi/lo of D_0..D_3 into D1 / D2 (diagonal blocks; D1's upper-right
+                                # block zeroed again: level 2 overwrites D1) and the level-1 operands
+                                # D_0 | D_2 (de) and D_1 over D_3 (do)
+                                for r, c in T.Parallel(B16, B16):
+                                    d1_hi[r, c] = _hi(x0_shared[0, r, c])
+                                    d1_lo[r, c] = _lo(x0_shared[0, r, c])
+                                    d1_hi[r, B16 + c] = 0
+                                    d1_lo[r, B16 + c] = 0
+                                    d1_hi[B16 + r, B16 + c] = _hi(x0_shared[1, r, c])
+                                    d1_lo[B16 + r, B16 + c] = _lo(x0_shared[1, r, c])
+                                    d2_hi[r, c] = _hi(x0_shared[2, r, c])
+                                    d2_lo[r, c] = _lo(x0_shared[2, r, c])
+                                    d2_hi[B16 + r, B16 + c] = _hi(x0_shared[3, r, c])
+                                    d2_lo[B16 + r, B16 + c] = _lo(x0_shared[3, r, c])
+                                    de_hi[r, c] = _hi(x0_shared[0, r, c])
+                                    de_lo[r, c] = _lo(x0_shared[0, r, c])
+                                    de_hi[r, B16 + c] = _hi(x0_shared[2, r, c])
+                                    de_lo[r, B16 + c] = _lo(x0_shared[2, r, c])
+                                    do_hi[r, c] = _hi(x0_shared[1, r, c])
+                                    do_lo[r, c] = _lo(x0_shared[1, r, c])
+                                    do_hi[B16 + r, c] = _hi(x0_shared[3, r, c])
+                                    do_lo[B16 + r, c] = _lo(x0_shared[3, r, c])
                         stamp("h.l0", j)
                         if skip < 2:
                             # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
@@ -373,7 +406,7 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
     hpc = 0 if heads_per_cta in (0, HV // H) else int(heads_per_cta)
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], hpc, MIN_BLOCKS, 0, False, A_IN_K,
-            PDL_TRIGGER)
+            PDL_TRIGGER, L0_SPLIT)
 
 
 def heads_per_cta_options(H: int, HV: int) -> tuple:

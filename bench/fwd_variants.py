@@ -27,6 +27,7 @@ VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
     "prefetch": {"prefetch": True},
+    "early-qk": {"early_qk": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
 # (timing only, A is wrong)

@@ -102,3 +102,18 @@ def test_prefetch_switch():
     assert on.count("__syncthreads()") == 1
     default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert ("fd_prefetch_rows" in default) == fused_fwd.PREFETCH
+
+
+def test_early_qk_switch():
+    """early_qk=True (`fused_fwd.EARLY_QK`): the pipelined loop frees chunk c's q/k slot and prep buffers right after
+    the wait that completes chunk c's GEMMs, before chunk c+1's Y GEMMs are issued; off in the launcher's build."""
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], early_qk=True).get_kernel_source()
+
+    def arrive_before_y(src):
+        """Does the pipelined loop free slot c before chunk c+1's Y = S0^T K^T (the first 16 KB-stage descriptor of
+        slot c+1: k_s; q_s/k_s stages are 16 KB, v_s/a_s 8 KB)?"""
+        loop = src[src.index("for (int c = 0; c < ("):]
+        return loop.index("empty[(c % 3)].arrive()") < loop.index("(((c + 1) % 3) * 16384)")
+    assert arrive_before_y(on) and arrive_before_y(default) == fused_fwd.EARLY_QK
+    assert on.count("__syncthreads()") == 1

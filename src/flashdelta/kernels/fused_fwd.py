@@ -67,9 +67,13 @@ PDL_SYNC = False
 # (the prep warpgroup waits on the q/k loads in the plain build, whose ring slot frees last: NOTES-gpu.md session 5).
 # Off until measured.
 PREFETCH = False
+# Pipelined order: free chunk c's q/k ring slot and prep buffers as soon as its GEMMs are complete (right after the
+# wait that follows chunk c+1's V^T Ag^T), not after chunk c+1's Y / Y Ae^T issue: the q/k TMA of chunk c+3 starts
+# ~0.5 us earlier (the prep warpgroup waits on it in the plain build: NOTES-gpu.md session 5). Off until measured.
+EARLY_QK = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch", "early_qk")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -84,10 +88,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, prefetch: bool = False):
+                     profile: bool = False, pdl: bool = False, prefetch: bool = False, early_qk: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
+    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`; early_qk: see `EARLY_QK`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
     uninstrumented one.
     """
     # problem config
@@ -144,11 +148,17 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
-        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
+    def release_slot(c, empty, pout_empty, mark):
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
+
+    @T.macro
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, release=True):
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers (unless already freed: early_qk), stage
+        # O^T for the store warp
+        if release:
+            release_slot(c, empty, pout_empty, mark)
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
         stage_o(c % 2, o_f, o_s, tx)
@@ -360,9 +370,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
+                                if early_qk:   # chunk c's GEMMs are complete: its q/k, Pg, Ae, R, dq are free
+                                    release_slot(c, empty, pout_empty, mark)
                                 issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx,
+                                                    release=not early_qk)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
@@ -503,7 +516,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, PREFETCH)
+            PDL_SYNC, PREFETCH, EARLY_QK)
 
 
 def build(args: tuple, **switches):

@@ -108,8 +108,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     small (`pick_heads_per_cta`).
     a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
-    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`; l0_split: see `L0_SPLIT`. `min_blocks` bounds the registers (5 CTAs per SM
-    fit then; slower).
+    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`; l0_split: see `L0_SPLIT`. `min_blocks` bounds the
+    registers (5 CTAs per SM fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)

@@ -9,7 +9,7 @@ against the launcher's kernel (max abs difference: 0 or rounding-level expected)
 (CUDA events, median) and prints us per chunk per CTA. With --prepare it also times `prepare_fwd` builds
 (PREPARE_VARIANTS; max|do| is then max |A - A_torch|). With --pair it also times prepare_fwd followed by the
 fused kernel, both launches captured in one CUDA graph, with prepare's value heads per CTA as the launcher picks
-them and with all of a key head's (`prepare.pick_heads_per_cta`; the same build where they agree). PDL (prepare
+them and with all of a key head's where the launcher splits them (`prepare.pick_heads_per_cta`). PDL (prepare
 `pdl` + fused `pdl`) was measured this way in session 5: no gain. --heads picks H/HV. The table is printed last.
 """
 from __future__ import annotations
@@ -51,10 +51,11 @@ def builder_flags(ff, name):
 
 
 def pair_builds(prepare, spec):
-    """--pair's prepare builds for a token spec: (name, heads per CTA): the launcher's pick and all heads."""
+    """--pair's prepare builds for a token spec: (name, heads per CTA): the launcher's pick and, where it splits,
+    all heads per CTA."""
     L, n = (int(x) for x in spec.split("x")) if "x" in spec else (int(spec), 1)
-    G = HV // H
-    return [("launcher", prepare.pick_heads_per_cta(H, HV, L * n)), ("all-heads", G)]
+    G, pick = HV // H, prepare.pick_heads_per_cta(H, HV, L * n)
+    return [("launcher", pick)] + ([("all-heads", G)] if pick != G else [])
 
 
 def main():

@@ -279,24 +279,28 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                                 # block zeroed again: level 2 overwrites D1) and the level-1 operands
                                 # D_0 | D_2 (de) and D_1 over D_3 (do)
                                 for r, c in T.Parallel(B16, B16):
-                                    d1_hi[r, c] = _hi(x0_shared[0, r, c])
-                                    d1_lo[r, c] = _lo(x0_shared[0, r, c])
+                                    x_0 = x0_shared[0, r, c]
+                                    x_1 = x0_shared[1, r, c]
+                                    x_2 = x0_shared[2, r, c]
+                                    x_3 = x0_shared[3, r, c]
+                                    d1_hi[r, c] = _hi(x_0)
+                                    d1_lo[r, c] = _lo(x_0)
                                     d1_hi[r, B16 + c] = 0
                                     d1_lo[r, B16 + c] = 0
-                                    d1_hi[B16 + r, B16 + c] = _hi(x0_shared[1, r, c])
-                                    d1_lo[B16 + r, B16 + c] = _lo(x0_shared[1, r, c])
-                                    d2_hi[r, c] = _hi(x0_shared[2, r, c])
-                                    d2_lo[r, c] = _lo(x0_shared[2, r, c])
-                                    d2_hi[B16 + r, B16 + c] = _hi(x0_shared[3, r, c])
-                                    d2_lo[B16 + r, B16 + c] = _lo(x0_shared[3, r, c])
-                                    de_hi[r, c] = _hi(x0_shared[0, r, c])
-                                    de_lo[r, c] = _lo(x0_shared[0, r, c])
-                                    de_hi[r, B16 + c] = _hi(x0_shared[2, r, c])
-                                    de_lo[r, B16 + c] = _lo(x0_shared[2, r, c])
-                                    do_hi[r, c] = _hi(x0_shared[1, r, c])
-                                    do_lo[r, c] = _lo(x0_shared[1, r, c])
-                                    do_hi[B16 + r, c] = _hi(x0_shared[3, r, c])
-                                    do_lo[B16 + r, c] = _lo(x0_shared[3, r, c])
+                                    d1_hi[B16 + r, B16 + c] = _hi(x_1)
+                                    d1_lo[B16 + r, B16 + c] = _lo(x_1)
+                                    d2_hi[r, c] = _hi(x_2)
+                                    d2_lo[r, c] = _lo(x_2)
+                                    d2_hi[B16 + r, B16 + c] = _hi(x_3)
+                                    d2_lo[B16 + r, B16 + c] = _lo(x_3)
+                                    de_hi[r, c] = _hi(x_0)
+                                    de_lo[r, c] = _lo(x_0)
+                                    de_hi[r, B16 + c] = _hi(x_2)
+                                    de_lo[r, B16 + c] = _lo(x_2)
+                                    do_hi[r, c] = _hi(x_1)
+                                    do_lo[r, c] = _lo(x_1)
+                                    do_hi[B16 + r, c] = _hi(x_3)
+                                    do_lo[B16 + r, c] = _lo(x_3)
                         stamp("h.l0", j)
                         if skip < 2:
                             # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
@@ -404,9 +408,14 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
                  heads_per_cta: int = 0) -> tuple:
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
-    hpc = 0 if heads_per_cta in (0, HV // H) else int(heads_per_cta)
-    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], hpc, MIN_BLOCKS, 0, False, A_IN_K,
-            PDL_TRIGGER, L0_SPLIT)
+    return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
+            MIN_BLOCKS, 0, False, A_IN_K, PDL_TRIGGER, L0_SPLIT)
+
+
+def _hpc_key(H: int, HV: int, heads_per_cta: int) -> int:
+    """The builder's `heads_per_cta` for a split: 0 for all of a key head's value heads (one cache key for both
+    spellings)."""
+    return 0 if heads_per_cta in (0, HV // H) else int(heads_per_cta)
 
 
 def heads_per_cta_options(H: int, HV: int) -> tuple:
@@ -430,8 +439,8 @@ def pick_heads_per_cta(H: int, HV: int, n_tok: int, num_sms: int = 132, chunk_si
 
 def build_fwd(args: tuple, **knobs):
     """The kernel for `builder_args(...)` with some `KNOBS` replaced by name (development variants)."""
-    if knobs.get("heads_per_cta") == args[0] // args[1]:   # all of a key head's value heads: the default's key
-        knobs = dict(knobs, heads_per_cta=0)
+    if "heads_per_cta" in knobs:
+        knobs = dict(knobs, heads_per_cta=_hpc_key(args[1], args[0], knobs["heads_per_cta"]))
     return _tl.build_with(_build_prepare_fwd, args, KNOBS, knobs)
 
 

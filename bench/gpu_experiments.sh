@@ -20,7 +20,7 @@ quiet() { grep -v "TileLang.*INFO"; }
 timeout 90 python3 bench/fwd_variants.py --tokens 8192,32768 --prepare --prepare-variants prepare,prepare-l0-split --variants default,prefetch,early-qk \
   2>&1 | quiet > "$L/exp_variants.log"
 # prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
-for hv in 2/8 4/16 8/32; do
+for hv in $([ "${PAIRS:-1}" = 1 ] && echo 2/8 4/16 8/32); do   # PAIRS=0 skips them
   timeout 40 python3 bench/fwd_variants.py --heads $hv --tokens 2048,4096,2048x4 --pair --variants default --reps 50 \
     2>&1 | quiet > "$L/exp_pairs_${hv/\//v}.log"
 done

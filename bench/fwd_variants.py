@@ -28,6 +28,7 @@ VARIANTS = {
     "no-early-release": {"early_release": False},
     "prefetch": {"prefetch": True},
     "early-qk": {"early_qk": True},
+    "prefetch-early-qk": {"prefetch": True, "early_qk": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
 # (timing only, A is wrong)
@@ -38,6 +39,7 @@ PREPARE_VARIANTS = {
     "prepare-skip-l12": {"skip": 2},
     "prepare-kkt-only": {"skip": 3},
     "prepare-l0-split": {"l0_split": True},
+    "prepare-warp-inv": {"warp_inverse": True},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

@@ -13,10 +13,10 @@ t_start=$(date +%s)
 timeout 200 bash bench/gpu_experiments.sh > "$OUT/exp_summary.log" 2>&1
 grep "^== " "$OUT/exp_summary.log"
 L=/tmp/gpu_experiments     # where gpu_experiments.sh leaves its logs (also packed into $OUT/exp_logs.tar.gz)
-grep -A13 "^=== summary" "$L/exp_profile.log"
-grep "w.stored\|s.o_empty " "$L/exp_profile.log"
-tail -n 24 "$L/exp_profile_prepare.log"
-grep -E "^ +(8192|32768|8192x4) +(default|no-early-release|prefetch|early-qk|prepare|prepare-l0-split) " "$L/exp_variants.log"
+grep -A13 "^=== summary" "$L/exp_profile.log" 2>/dev/null
+grep "w.stored\|s.o_empty " "$L/exp_profile.log" 2>/dev/null
+tail -n 24 "$L/exp_profile_prepare.log" 2>/dev/null
+grep -E "^ +[0-9x]+ +[a-z0-9-]+ +[0-9.]+ " "$L/exp_variants.log"
 for f in "$L"/exp_pairs_*.log; do echo "== $f"; grep -E "^ +[0-9x]+ +pair-" "$f"; done
 us=$(awk '$1 == "32768" && $2 == "default" {print $4}' "$L/exp_variants.log")
 if [ -z "$us" ] || grep -q "failed\|error\|Timeout" /tmp/gpu_experiments/test_*.log; then

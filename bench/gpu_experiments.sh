@@ -17,7 +17,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
-timeout 90 python3 bench/fwd_variants.py --tokens 8192,32768 --prepare --prepare-variants prepare,prepare-l0-split --variants default,prefetch,early-qk \
+# env: TOKENS, VARIANTS, PREP_VARIANTS (fwd_variants.py's lists), TESTS (test files), PROFILE=0 skips the timelines
+timeout 120 python3 bench/fwd_variants.py --tokens "${TOKENS:-8192,32768}" --prepare \
+  --prepare-variants "${PREP_VARIANTS:-prepare,prepare-l0-split}" --variants "${VARIANTS:-default,prefetch,early-qk}" \
   2>&1 | quiet > "$L/exp_variants.log"
 # prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
 for hv in $([ "${PAIRS:-1}" = 1 ] && echo 2/8 4/16 8/32); do   # PAIRS=0 skips them
@@ -25,16 +27,18 @@ for hv in $([ "${PAIRS:-1}" = 1 ] && echo 2/8 4/16 8/32); do   # PAIRS=0 skips t
     2>&1 | quiet > "$L/exp_pairs_${hv/\//v}.log"
 done
 echo "A/B done at $(( $(date +%s) - t0 )) s"
-OUT=$L timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$L/exp_profile.log"
-OUT=$L timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$L/exp_profile_prepare.log"
+if [ "${PROFILE:-1}" = 1 ]; then
+  OUT=$L timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$L/exp_profile.log"
+  OUT=$L timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$L/exp_profile_prepare.log"
+fi
 echo "timeline done at $(( $(date +%s) - t0 )) s"
-for f in prepare fwd e2e_gpu l2norm; do
+for f in ${TESTS:-prepare fwd e2e_gpu l2norm}; do
   timeout 240 python3 -m pytest tests/gpu/test_$f.py -q -p no:cacheprovider > "$L/test_$f.log" 2>&1 &
 done
 wait
 for f in $L/test_*.log; do echo "===== $f"; quiet < "$f"; done > "$L/exp_tests.log"
 echo "tests done at $(( $(date +%s) - t0 )) s"
 for f in $L/test_*.log; do echo "== $f: $(tail -n 1 "$f")"; done
-tail -n 30 "$L/exp_profile.log"; tail -n 4 "$L/exp_variants.log"
+tail -n 30 "$L/exp_profile.log" 2>/dev/null; tail -n 4 "$L/exp_variants.log"
 for f in "$L"/exp_pairs_*.log; do echo "== $f"; grep -E "^ +[0-9x]+ +pair-" "$f"; done
 tar -C "$L" -czf "$OUT/exp_logs.tar.gz" $(cd "$L" && ls *.log *.pt 2>/dev/null)

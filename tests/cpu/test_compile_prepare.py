@@ -40,7 +40,7 @@ def _check_fwd_source(src, k_dtype):
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
     assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER,
-                                          prepare.L0_SPLIT)
+                                          prepare.L0_SPLIT, prepare.WARP_INVERSE)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -123,3 +123,21 @@ def test_prepare_fwd_l0_split_knob():
     _check_fwd_source(on, torch.bfloat16)
     assert "x0_shared" in on
     assert ("x0_shared" in prepare.build_fwd(args).get_kernel_source()) == prepare.L0_SPLIT
+
+
+@pytest.mark.parametrize("v", FWD_VARIANTS + [(1, 8, 128, torch.bfloat16, torch.float32)], ids=_ids)
+def test_prepare_fwd_warp_inverse_knob(v):
+    """warp_inverse=True (`prepare.WARP_INVERSE`): K K^T still on wgmma, then every warp calls the per-warp inverse
+    (no thread-dependent branch around it, so no barrier can diverge), whose products are bf16 mma.sync; the
+    workspaces fit 4 CTAs per SM (the first ones in the dead key tile). GVA 8 takes two rounds of four heads."""
+    args = prepare.builder_args(*v)
+    src = prepare.build_fwd(args, warp_inverse=True).get_kernel_source()
+    assert not divergent_syncs(src)
+    wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
+    assert wgmma and all(_WGMMA_TYPE[v[3]] in line for line in wgmma)
+    kind = "fd_wy_inverse_warp<true>" if v[3] == torch.float16 else "fd_wy_inverse_warp<false>"
+    calls = [line for line in src.splitlines() if kind + "(" in line]
+    assert len(calls) == 1 and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
+    assert "mma_sync<" not in src and "x0_shared" not in src          # none of the CTA-wide levels
+    assert _dyn_smem_end(src) < 52 * 1024                             # + its last buffer: <= 56 KB per CTA
+    assert (v[1] // v[0] > 4) == ("rnd" in src)                       # more heads than warps: a loop of rounds

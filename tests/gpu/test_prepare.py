@@ -62,6 +62,31 @@ def test_prepare_fwd(case):
     k, g, beta, cu = _inputs(case)
     g_cumsum, A = prepare_fwd(k, g, beta, cu)
     torch.cuda.synchronize()
+    _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
+
+
+# Development knobs of the prepare builder (prepare.KNOBS) that change the arithmetic: checked against the
+# reference on every case (the launcher's build runs them when its constant is on).
+REF_KNOB_SETS = {"warp-inverse": {"warp_inverse": True}}
+
+
+@pytest.mark.parametrize("knobs", list(REF_KNOB_SETS))
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prepare_fwd_ref_knob_variant(case, knobs):
+    from flashdelta.kernels import prepare
+    k, g, beta, cu = _inputs(case)
+    args = prepare.builder_args(case.H, case.HV, case.K, case.dtype, case.beta_dtype)
+    g_cumsum = torch.full((1, k.shape[1], case.HV), float("nan"), device="cuda")
+    A = torch.full((1, k.shape[1], case.HV, 64), float("nan"), dtype=k.dtype, device="cuda")
+    prepare.build_fwd(args, **REF_KNOB_SETS[knobs])(k, g, beta, cu.to(torch.int32), g_cumsum, A)
+    torch.cuda.synchronize()
+    _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
+    g1, A1 = torch.full_like(g_cumsum, float("nan")), torch.full_like(A, float("nan"))
+    prepare.build_fwd(args, **REF_KNOB_SETS[knobs])(k, g, beta, cu.to(torch.int32), g1, A1)
+    assert torch.equal(g1, g_cumsum) and torch.equal(A1, A), "run-to-run bits differ"
+
+
+def _check_against_reference(case, k, g, beta, cu, g_cumsum, A):
     g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
     assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
     assert_close("g_cumsum", g_cumsum, g_ref)

@@ -99,3 +99,212 @@ __device__ __forceinline__ void fd_prefetch_rows(const void* base, int rows, lon
   }
 }
 """
+
+# prepare's `warp_inverse` build: one warp inverts one value head's unit lower triangular 64x64 matrix
+#   M = I + strictly_lower(diag(beta) L),  L = K K^T (symmetric, fp32 accumulated, unscaled),
+# with no CTA barrier. 16x16 blocks: level 0, the diagonal blocks D_b = M_bb^{-1} by right-looking forward
+# substitution (fp32; lane = one column of blocks hb and 2 + hb); then, row block by row block, the transposed
+# block substitution U_ij = A_ij^T = (sum_{m=j}^{i-1} U_mj L_mi) (-D_i diag(beta_i))^T on mma.m16n8k16 with bf16
+# hi/lo splits of both operands (hi*hi + hi*lo + lo*hi, fp32 accumulate, ~1e-6 relative). Working with the
+# transposes keeps every intermediate in registers: an mma accumulator pair is the next product's A operand, L's
+# symmetry turns L_mi into an ldmatrix of the stored lower block (i, m), and (D_i diag)^T as a B operand is read
+# from the level-0 scratch (held transposed). Each finished row block of A goes through a 16-row strip
+# (stmatrix.trans of U) to global memory.
+#   lhi, llo: 16-bit [48][WY_LP]: rows 16..63, cols 0..47 of L as bf16 hi/lo (only the blocks i > m are read).
+#   kkd: fp32 [4][16][17]: L's diagonal blocks.  beta + i * beta_stride: beta of row i (0 past the end).
+#   ws_a, ws_b: the warps' workspaces, WY_WS_FLOATS floats each (16-byte aligned): warp w < n_a uses the w-th of
+#   ws_a, the others the (w - n_a)-th of ws_b (the kernel hosts ws_a in the dead key tile). A workspace holds the
+#   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype. tid: the thread's index in the CTA.  a_out: the global A row of the chunk's first token for this value head; rows
+#   are a_pitch elements apart; rows >= `rows` are not written.  active: false = the warp has no head (returns).
+WY_LP = 56
+WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
+WY_INVERSE_PRELUDE = r"""
+constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""";
+__device__ __forceinline__ unsigned fd_wy_bf16x2(float x0, float x1) {
+  unsigned r;  // x0 in the low half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+  return r;
+}
+template <bool kHalf>
+__device__ __forceinline__ unsigned fd_wy_out2(float x0, float x1) {
+  unsigned r;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+  }
+  return r;
+}
+// hi/lo bf16 pairs of (x0, x1): x = hi + lo to ~16 significant bits
+__device__ __forceinline__ void fd_wy_split2(float x0, float x1, unsigned& hi, unsigned& lo) {
+  hi = fd_wy_bf16x2(x0, x1);
+  lo = fd_wy_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+__device__ __forceinline__ void fd_wy_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A 16x16 operand in hi/lo parts: the A fragment (4 registers), or the B fragments of both n8 halves ([t][2])
+struct FdWyA { unsigned hi[4], lo[4]; };
+struct FdWyB { unsigned hi[2][2], lo[2][2]; };
+// acc (two n8 accumulators of a 16x16 product) += a @ b, hi*hi + hi*lo + lo*hi
+__device__ __forceinline__ void fd_wy_mma3(float (&acc)[2][4], const FdWyA& a, const FdWyB& b) {
+  #pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    fd_wy_mma(acc[t], a.hi, b.hi[t][0], b.hi[t][1]);
+    fd_wy_mma(acc[t], a.hi, b.lo[t][0], b.lo[t][1]);
+    fd_wy_mma(acc[t], a.lo, b.hi[t][0], b.hi[t][1]);
+  }
+}
+// an accumulator pair as the next product's A operand (the m16n8 accumulator layout of two n8 halves is the
+// m16k16 A layout)
+__device__ __forceinline__ FdWyA fd_wy_as_a(const float (&acc)[2][4]) {
+  FdWyA a;
+  fd_wy_split2(acc[0][0], acc[0][1], a.hi[0], a.lo[0]);
+  fd_wy_split2(acc[0][2], acc[0][3], a.hi[1], a.lo[1]);
+  fd_wy_split2(acc[1][0], acc[1][1], a.hi[2], a.lo[2]);
+  fd_wy_split2(acc[1][2], acc[1][3], a.hi[3], a.lo[3]);
+  return a;
+}
+__device__ __forceinline__ void fd_wy_ldsm4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+// B fragments of L_mi (k = block m, n = block i) = rows of the stored lower block (i, m): L is symmetric
+__device__ __forceinline__ FdWyB fd_wy_load_l(unsigned lhi, unsigned llo, int i, int m, int lane) {
+  const int mi = lane >> 3;
+  const unsigned off = 2u * ((16 * (i - 1) + 8 * (mi >> 1) + (lane & 7)) * """ + str(WY_LP) + r""" + 16 * m + 8 * (mi & 1));
+  unsigned h[4], l[4];
+  fd_wy_ldsm4(h, lhi + off);
+  fd_wy_ldsm4(l, llo + off);
+  FdWyB b;
+  #pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    b.hi[t][0] = h[2 * t]; b.hi[t][1] = h[2 * t + 1];
+    b.lo[t][0] = l[2 * t]; b.lo[t][1] = l[2 * t + 1];
+  }
+  return b;
+}
+// U (16x16, two accumulators) -> strip rows [0, 16) x cols [16 j, 16 j + 16) as A = U^T (stmatrix .trans)
+template <bool kHalf>
+__device__ __forceinline__ void fd_wy_store_t(const float (&u)[2][4], unsigned strip, int j, int lane) {
+  const int mi = lane >> 3;
+  const unsigned addr = strip + 2u * ((8 * (mi >> 1) + (lane & 7)) * 72 + 16 * j + 8 * (mi & 1));
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(fd_wy_out2<kHalf>(u[0][0], u[0][1])), "r"(fd_wy_out2<kHalf>(u[0][2], u[0][3])),
+                  "r"(fd_wy_out2<kHalf>(u[1][0], u[1][1])), "r"(fd_wy_out2<kHalf>(u[1][2], u[1][3]))
+               : "memory");
+}
+template <bool kHalf>
+__device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void* llo_p, const float* kkd,
+                                                   const float* beta, int beta_stride, void* ws_a, int n_a,
+                                                   void* ws_b, void* a_out, long long a_pitch, int rows,
+                                                   bool active, int tid) {
+  if (!active) return;
+  const int lane = tid & 31, warp = tid >> 5;
+  float* const ws = warp < n_a ? static_cast<float*>(ws_a) + warp * kFdWyWs
+                               : static_cast<float*>(ws_b) + (warp - n_a) * kFdWyWs;
+  constexpr int SP = 20;                       // scratch row length (floats): conflict-free row writes, column reads
+  const int g = lane >> 2, q = lane & 3;
+  // level 0: lane owns column c of D_hb and of D_{2+hb}; s accumulates sum_{m<r} L[r][m] x[m] (right-looking)
+  {
+    const int c = lane & 15, hb = lane >> 4;
+    const float* l0 = kkd + hb * 16 * 17;
+    const float* l1 = kkd + (2 + hb) * 16 * 17;
+    const float* be0 = beta + (16 * hb) * beta_stride;
+    const float* be1 = beta + (16 * (2 + hb)) * beta_stride;
+    float s0[16], s1[16], x0[16], x1[16];
+    #pragma unroll
+    for (int r = 0; r < 16; ++r) { s0[r] = 0.f; s1[r] = 0.f; }
+    #pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const float e = m == c ? 1.f : 0.f;
+      x0[m] = e - be0[m * beta_stride] * s0[m];
+      x1[m] = e - be1[m * beta_stride] * s1[m];
+      #pragma unroll
+      for (int r = m + 1; r < 16; ++r) {
+        s0[r] = fmaf(l0[r * 17 + m], x0[m], s0[r]);
+        s1[r] = fmaf(l1[r * 17 + m], x1[m], s1[r]);
+      }
+    }
+    // scratch[b][c][r] = D_b[r][c] (D_b^T)
+    float4* w0 = reinterpret_cast<float4*>(ws + (hb * 16 + c) * SP);
+    float4* w1 = reinterpret_cast<float4*>(ws + ((2 + hb) * 16 + c) * SP);
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      w0[r] = make_float4(x0[4 * r], x0[4 * r + 1], x0[4 * r + 2], x0[4 * r + 3]);
+      w1[r] = make_float4(x1[4 * r], x1[4 * r + 1], x1[4 * r + 2], x1[4 * r + 3]);
+    }
+  }
+  __syncwarp();
+  const unsigned lhi = static_cast<unsigned>(__cvta_generic_to_shared(lhi_p));
+  const unsigned llo = static_cast<unsigned>(__cvta_generic_to_shared(llo_p));
+  const unsigned strip = static_cast<unsigned>(__cvta_generic_to_shared(ws + 4 * 16 * SP));
+  FdWyA U[4][3];                               // U[m][j] = A_mj^T, hi/lo A fragments (j < 3, m < 3)
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float* sc = ws + i * 16 * SP;        // D_i^T
+    // diagonal block: U_ii = D_i^T
+    float d[2][4];
+    #pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      d[t][0] = sc[g * SP + 8 * t + 2 * q];
+      d[t][1] = sc[g * SP + 8 * t + 2 * q + 1];
+      d[t][2] = sc[(g + 8) * SP + 8 * t + 2 * q];
+      d[t][3] = sc[(g + 8) * SP + 8 * t + 2 * q + 1];
+    }
+    if (i < 3) U[i][i] = fd_wy_as_a(d);
+    fd_wy_store_t<kHalf>(d, strip, i, lane);
+    if (i > 0) {
+      // B operand (-D_i diag(beta_i))^T: B[k][n] = -beta_k D_i[n][k] = -beta_k sc[k][n], n = 8 t + g
+      FdWyB db;
+      #pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int k0 = 8 * h + 2 * q;
+          const float v0 = -beta[(16 * i + k0) * beta_stride] * sc[k0 * SP + 8 * t + g];
+          const float v1 = -beta[(16 * i + k0 + 1) * beta_stride] * sc[(k0 + 1) * SP + 8 * t + g];
+          fd_wy_split2(v0, v1, db.hi[t][h], db.lo[t][h]);
+        }
+      }
+      FdWyB lb[3];
+      #pragma unroll
+      for (int m = 0; m < i; ++m) lb[m] = fd_wy_load_l(lhi, llo, i, m, lane);
+      #pragma unroll
+      for (int j = 0; j < i; ++j) {
+        float s[2][4] = {};
+        #pragma unroll
+        for (int m = j; m < i; ++m) fd_wy_mma3(s, U[m][j], lb[m]);
+        float u[2][4] = {};
+        fd_wy_mma3(u, fd_wy_as_a(s), db);
+        if (i < 3) U[i][j] = fd_wy_as_a(u);
+        fd_wy_store_t<kHalf>(u, strip, j, lane);
+      }
+    }
+    // the strip's blocks right of the diagonal are zero
+    if (i < 3) {
+      const int per_row = 2 * (3 - i);         // 16-byte pieces per strip row right of block i
+      #pragma unroll
+      for (int z = lane; z < 16 * per_row; z += 32) {
+        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(ws + 4 * 16 * SP) + (z / per_row) * 144 +
+                                  32 * (i + 1) + 16 * (z % per_row)) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    __syncwarp();
+    // rows 16 i .. 16 i + 15 to global: 8 lanes per 128-byte row, 4 rows per step
+    #pragma unroll
+    for (int r = lane >> 3; r < 16; r += 4) {
+      if (16 * i + r < rows) {
+        const uint4 x = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(ws + 4 * 16 * SP) +
+                                                        r * 144 + (lane & 7) * 16);
+        *reinterpret_cast<uint4*>(static_cast<char*>(a_out) + 2 * ((16 * i + r) * a_pitch) + (lane & 7) * 16) = x;
+      }
+    }
+    __syncwarp();
+  }
+}
+"""
+WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}

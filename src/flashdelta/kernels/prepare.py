@@ -47,8 +47,13 @@ PDL_TRIGGER = False
 # level 0 is a third of the kernel's instructions, mostly the 64 scalar hi/lo stores per thread, while warps 2-3 wait
 # at the barrier after it.
 L0_SPLIT = False
+# Each warp inverts one value head on its own (`_ptx.WY_INVERSE_PRELUDE`: level 0 by substitution, then a block
+# substitution on mma.sync with hi/lo splits, no CTA barrier), four heads at a time, instead of the CTA walking the
+# heads one after another through barrier-separated levels (ncu, NOTES-gpu.md session 5: barriers and shared-memory
+# round trips bound the level phases). Off until measured on a GPU.
+WARP_INVERSE = False
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("heads_per_cta", "min_blocks", "skip", "profile", "a_in_k", "pdl", "l0_split")
+KNOBS = ("heads_per_cta", "min_blocks", "skip", "profile", "a_in_k", "pdl", "l0_split", "warp_inverse")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end; "h." events repeat for value heads j < PROF_HEADS
 PROF_SLOTS = 64
@@ -102,13 +107,15 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
                        heads_per_cta: int = 0, min_blocks: int = 4, skip: int = 0, profile: bool = False,
-                       a_in_k: bool = False, pdl: bool = False, l0_split: bool = False):
+                       a_in_k: bool = False, pdl: bool = False, l0_split: bool = False,
+                       warp_inverse: bool = False):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
     more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
     small (`pick_heads_per_cta`).
     a_in_k=True assembles each value head's A tile in the key tile's shared memory (dead after K K^T): ~9 KB
     less per CTA, and A's fragment-order writes and row reads go through the key tile's wgmma swizzle (measured
-    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`; l0_split: see `L0_SPLIT`. `min_blocks` bounds the
+    7% faster at TP1 32k; NOTES-gpu.md). pdl: see `PDL_TRIGGER`; l0_split: see `L0_SPLIT`; warp_inverse: see
+    `WARP_INVERSE` (a_in_k, l0_split and skip do not apply to it). `min_blocks` bounds the
     registers (5 CTAs per SM fit then; slower).
     skip > 0 is a timing experiment only (bench/fwd_variants.py --prepare): it leaves out the last `skip`
     levels of the inverse (3: all of them), so A is wrong. profile=True adds the output
@@ -121,12 +128,14 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     assert (HV // H) % G == 0
     # beta's shared tile has a power-of-two row (nvcc 13.0's front end crashes on the level-2 code for G = 3)
     GB = 1 << (G - 1).bit_length()
+    NW = THREADS // 32              # warp_inverse: value heads inverted at once, one per warp
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
     # tiling config: 16-row diagonal blocks, 32-row halves; min_blocks CTAs per SM bounds the registers
     B16, B32 = 16, 32
 
     prof_t = T.Tensor((PROF_SLOTS, len(PROF_EVENTS)), "int64") if profile else None
+    prelude = ((_ptx.WY_INVERSE_PRELUDE if warp_inverse else "") + (_ptx.PROF_PRELUDE if profile else "")) or None
 
     def stamper(prof, i_s, i_h, tid):
         """stamp(event) -> the timer call (profile=True) or None (nothing reaches the kernel)."""
@@ -151,8 +160,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
         prof: prof_t,
     ):
-        with T.Kernel(n_tok // BT + n_seqs + 1, H * NG, threads=THREADS,
-                      prelude=_ptx.PROF_PRELUDE if profile else None) as (i_s, i_y):
+        with T.Kernel(n_tok // BT + n_seqs + 1, H * NG, threads=THREADS, prelude=prelude) as (i_s, i_y):
             T.annotate_min_blocks_per_sm(min_blocks)
             if pdl:
                 T.pdl_trigger()
@@ -179,30 +187,39 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             # the two level-1 blocks stacked, rows 16:32 x cols 0:16 over rows 48:64 x cols 32:48, and the
             # level-2 block rows 32:64 x cols 0:32, both as bf16 hi/lo
             kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
-            k1_hi = T.alloc_shared((B32, B16), BF16)
-            k1_lo = T.alloc_shared((B32, B16), BF16)
-            c_hi = T.alloc_shared((B32, B32), BF16)
-            c_lo = T.alloc_shared((B32, B32), BF16)
-            # per value head, bf16 hi/lo: the 16x16 diagonal inverses D_0|D_2 side by side and D_1 over D_3,
-            # the two 32x32 diagonal inverses, and the scaled products feeding the next level
-            de_hi = T.alloc_shared((B16, B32), BF16)
-            de_lo = T.alloc_shared((B16, B32), BF16)
-            do_hi = T.alloc_shared((B32, B16), BF16)
-            do_lo = T.alloc_shared((B32, B16), BF16)
-            d1_hi = T.alloc_shared((B32, B32), BF16)
-            d1_lo = T.alloc_shared((B32, B32), BF16)
-            d2_hi = T.alloc_shared((B32, B32), BF16)
-            d2_lo = T.alloc_shared((B32, B32), BF16)
-            y1_frag = T.alloc_fragment((B32, B32), F32)
-            x1_frag = T.alloc_fragment((B32, B32), F32)
-            y_frag = T.alloc_fragment((B32, B32), F32)
-            z_frag = T.alloc_fragment((B32, B32), F32)
-            # A's tile: the first BT columns of the key tile (K >= BT; its wgmma swizzle keeps fragment-order row
-            # writes off one bank), or its own buffer (+8: the same for a plain row-major tile)
-            a_shared = k_shared if a_in_k else T.alloc_shared((BT, BT + 8), k_dtype)
-            x_local = T.alloc_local((B16,), F32)
-            # l0_split: the four 16x16 diagonal inverses in fp32, between the substitution and the hi/lo split
-            x0_shared = T.alloc_shared((4, B16, B16), F32) if l0_split else None
+            if warp_inverse:
+                # rows 16..63, cols 0..47 of K K^T as bf16 hi/lo (the blocks below the diagonal), rows padded for
+                # conflict-free ldmatrix; each warp's workspace (level-0 scratch and the output strip)
+                l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
+                l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
+                # the first NWK workspaces live in the key tile (dead after K K^T), the rest in ws
+                NWK = min(NW, BT * K // (2 * _ptx.WY_WS_FLOATS))
+                ws = T.alloc_shared((NW - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NW else k_shared
+            if not warp_inverse:  # the CTA-wide levels' buffers
+                k1_hi = T.alloc_shared((B32, B16), BF16)
+                k1_lo = T.alloc_shared((B32, B16), BF16)
+                c_hi = T.alloc_shared((B32, B32), BF16)
+                c_lo = T.alloc_shared((B32, B32), BF16)
+                # per value head, bf16 hi/lo: the 16x16 diagonal inverses D_0|D_2 side by side and D_1 over D_3,
+                # the two 32x32 diagonal inverses, and the scaled products feeding the next level
+                de_hi = T.alloc_shared((B16, B32), BF16)
+                de_lo = T.alloc_shared((B16, B32), BF16)
+                do_hi = T.alloc_shared((B32, B16), BF16)
+                do_lo = T.alloc_shared((B32, B16), BF16)
+                d1_hi = T.alloc_shared((B32, B32), BF16)
+                d1_lo = T.alloc_shared((B32, B32), BF16)
+                d2_hi = T.alloc_shared((B32, B32), BF16)
+                d2_lo = T.alloc_shared((B32, B32), BF16)
+                y1_frag = T.alloc_fragment((B32, B32), F32)
+                x1_frag = T.alloc_fragment((B32, B32), F32)
+                y_frag = T.alloc_fragment((B32, B32), F32)
+                z_frag = T.alloc_fragment((B32, B32), F32)
+                # A's tile: the first BT columns of the key tile (K >= BT; its wgmma swizzle keeps fragment-order row
+                # writes off one bank), or its own buffer (+8: the same for a plain row-major tile)
+                a_shared = k_shared if a_in_k else T.alloc_shared((BT, BT + 8), k_dtype)
+                x_local = T.alloc_local((B16,), F32)
+                # l0_split: the four 16x16 diagonal inverses in fp32, between the substitution and the hi/lo split
+                x0_shared = T.alloc_shared((4, B16, B16), F32) if l0_split else None
 
             if t0 < eos:
                 if seq < n_seqs:
@@ -212,23 +229,32 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, hv0 + j], 0)
                         beta_shared[i, j] = T.if_then_else(
                             t0 + i < eos, T.cast(beta[0, t0 + i, hv0 + j], F32), 0)
-                    for i, c in T.Parallel(B32, B32):
-                        # the upper-right 16x16 block of D2 stays zero for every value head
-                        d2_hi[i, c] = 0
-                        d2_lo[i, c] = 0
+                    if not warp_inverse:
+                        for i, c in T.Parallel(B32, B32):
+                            # the upper-right 16x16 block of D2 stays zero for every value head
+                            d2_hi[i, c] = 0
+                            d2_lo[i, c] = 0
                     # [BT, K] @ [K, BT] -> [BT, BT]
                     stamp("loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
                     stamp("kkt")
-                    for i, c in T.Parallel(BT, BT):
-                        if i // B16 == c // B16:
-                            kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
-                        if i // B16 == c // B16 + 1 and (i // B16) % 2 == 1:
-                            k1_hi[(i // B32) * B16 + i % B16, c % B16] = _hi(kk_frag[i, c])
-                            k1_lo[(i // B32) * B16 + i % B16, c % B16] = _lo(kk_frag[i, c])
-                        if i >= B32 and c < B32:
-                            c_hi[i - B32, c] = _hi(kk_frag[i, c])
-                            c_lo[i - B32, c] = _lo(kk_frag[i, c])
+                    if warp_inverse:
+                        for i, c in T.Parallel(BT, BT):
+                            if i // B16 == c // B16:
+                                kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
+                            if c // B16 < i // B16:
+                                l_hi[i - B16, c] = _hi(kk_frag[i, c])
+                                l_lo[i - B16, c] = _lo(kk_frag[i, c])
+                    else:
+                        for i, c in T.Parallel(BT, BT):
+                            if i // B16 == c // B16:
+                                kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
+                            if i // B16 == c // B16 + 1 and (i // B16) % 2 == 1:
+                                k1_hi[(i // B32) * B16 + i % B16, c % B16] = _hi(kk_frag[i, c])
+                                k1_lo[(i // B32) * B16 + i % B16, c % B16] = _lo(kk_frag[i, c])
+                            if i >= B32 and c < B32:
+                                c_hi[i - B32, c] = _hi(kk_frag[i, c])
+                                c_lo[i - B32, c] = _lo(kk_frag[i, c])
                     stamp("split")
                     T.cumsum(g_shared[:, 0:G], dim=0)
                     for i, j in T.Parallel(BT, G):
@@ -236,116 +262,132 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                             g_cumsum[0, t0 + i, hv0 + j] = g_shared[i, j]
                     stamp("cumsum")
 
-                    for j in T.serial(G):
-                        if skip < 3:
-                            # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
-                            if tid < 4 * B16:
-                                blk = tid // B16
-                                col = tid % B16
-                                for r in T.unroll(B16):
-                                    x_local[r] = 0
-                                    for m in T.unroll(r):
-                                        x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
-                                    x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
-                                        beta_shared[blk * B16 + r, j] * x_local[r]
-                                if l0_split:
+                    if warp_inverse:
+                        # warp w inverts value heads w, w + NW, ... of this CTA (see `WARP_INVERSE`); every thread
+                        # makes the call (no branch around it), a warp without a head returns at once
+                        T.sync_threads()
+                        warp = tid // 32
+                        for rnd in T.serial(T.ceildiv(G, NW)):
+                            j = rnd * NW + warp
+                            jc = T.min(j, G - 1)
+                            T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
+                                          T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
+                                          T.address_of(beta_shared[0, jc]), GB, T.address_of(k_shared[0, 0]), NWK,
+                                          T.address_of(ws[0, 0]),   # (k_shared when NWK == NW: unused)
+                                          T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
+                                          T.cast(HV * BT, "int64"), eos - t0, j < G, tid)
+                        stamp("h.stored", 0)
+                    else:
+                        for j in T.serial(G):
+                            if skip < 3:
+                                # level 0: D_b = (I + strictly_lower(beta K K^T)_bb)^{-1}, one column per thread
+                                if tid < 4 * B16:
+                                    blk = tid // B16
+                                    col = tid % B16
                                     for r in T.unroll(B16):
-                                        x0_shared[blk, r, col] = x_local[r]
-                                else:
-                                    off = (blk % 2) * B16
-                                    if blk < 2:
+                                        x_local[r] = 0
+                                        for m in T.unroll(r):
+                                            x_local[r] = x_local[r] + kkd_shared[blk, r, m] * x_local[m]
+                                        x_local[r] = T.if_then_else(r == col, T.float32(1), T.float32(0)) - \
+                                            beta_shared[blk * B16 + r, j] * x_local[r]
+                                    if l0_split:
                                         for r in T.unroll(B16):
-                                            d1_hi[off + r, off + col] = _hi(x_local[r])
-                                            d1_lo[off + r, off + col] = _lo(x_local[r])
-                                        if blk == 1:
-                                            # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                            x0_shared[blk, r, col] = x_local[r]
+                                    else:
+                                        off = (blk % 2) * B16
+                                        if blk < 2:
                                             for r in T.unroll(B16):
-                                                d1_hi[r, B16 + col] = 0
-                                                d1_lo[r, B16 + col] = 0
-                                    else:
-                                        for r in T.unroll(B16):
-                                            d2_hi[off + r, off + col] = _hi(x_local[r])
-                                            d2_lo[off + r, off + col] = _lo(x_local[r])
-                                    if blk % 2 == 0:
-                                        for r in T.unroll(B16):
-                                            de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
-                                            de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
-                                    else:
-                                        for r in T.unroll(B16):
-                                            do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
-                                            do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
-                            if l0_split:
-                                # all four warps: hi/lo of D_0..D_3 into D1 / D2 (diagonal blocks; D1's upper-right
-                                # block zeroed again: level 2 overwrites D1) and the level-1 operands
-                                # D_0 | D_2 (de) and D_1 over D_3 (do)
-                                for r, c in T.Parallel(B16, B16):
-                                    x_0 = x0_shared[0, r, c]
-                                    x_1 = x0_shared[1, r, c]
-                                    x_2 = x0_shared[2, r, c]
-                                    x_3 = x0_shared[3, r, c]
-                                    d1_hi[r, c] = _hi(x_0)
-                                    d1_lo[r, c] = _lo(x_0)
-                                    d1_hi[r, B16 + c] = 0
-                                    d1_lo[r, B16 + c] = 0
-                                    d1_hi[B16 + r, B16 + c] = _hi(x_1)
-                                    d1_lo[B16 + r, B16 + c] = _lo(x_1)
-                                    d2_hi[r, c] = _hi(x_2)
-                                    d2_lo[r, c] = _lo(x_2)
-                                    d2_hi[B16 + r, B16 + c] = _hi(x_3)
-                                    d2_lo[B16 + r, B16 + c] = _lo(x_3)
-                                    de_hi[r, c] = _hi(x_0)
-                                    de_lo[r, c] = _lo(x_0)
-                                    de_hi[r, B16 + c] = _hi(x_2)
-                                    de_lo[r, B16 + c] = _lo(x_2)
-                                    do_hi[r, c] = _hi(x_1)
-                                    do_lo[r, c] = _lo(x_1)
-                                    do_hi[B16 + r, c] = _hi(x_3)
-                                    do_lo[B16 + r, c] = _lo(x_3)
-                        stamp("h.l0", j)
-                        if skip < 2:
-                            # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
-                            # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
-                            # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
-                            _gemm_hilo(k1_hi, k1_lo, de_hi, de_lo, y1_frag)
-                            for i, c in T.Parallel(B32, B32):
-                                if i // B16 == c // B16:
-                                    # Y_0 | Y_1 side by side, in place of D_0 | D_2
-                                    y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
-                                    de_hi[i % B16, c] = _hi(y_val)
-                                    de_lo[i % B16, c] = _lo(y_val)
-                            _gemm_hilo(do_hi, do_lo, de_hi, de_lo, x1_frag)
-                            for i, c in T.Parallel(B32, B32):
-                                if i // B16 == c // B16:
-                                    if i < B16:
-                                        d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
-                                        d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
-                                    else:
-                                        d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
-                                        d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
+                                                d1_hi[off + r, off + col] = _hi(x_local[r])
+                                                d1_lo[off + r, off + col] = _lo(x_local[r])
+                                            if blk == 1:
+                                                # upper-right block of D1: zero again (the level-2 product reuses D1)
+                                                for r in T.unroll(B16):
+                                                    d1_hi[r, B16 + col] = 0
+                                                    d1_lo[r, B16 + col] = 0
+                                        else:
+                                            for r in T.unroll(B16):
+                                                d2_hi[off + r, off + col] = _hi(x_local[r])
+                                                d2_lo[off + r, off + col] = _lo(x_local[r])
+                                        if blk % 2 == 0:
+                                            for r in T.unroll(B16):
+                                                de_hi[r, (blk // 2) * B16 + col] = _hi(x_local[r])
+                                                de_lo[r, (blk // 2) * B16 + col] = _lo(x_local[r])
+                                        else:
+                                            for r in T.unroll(B16):
+                                                do_hi[(blk // 2) * B16 + r, col] = _hi(x_local[r])
+                                                do_lo[(blk // 2) * B16 + r, col] = _lo(x_local[r])
+                                if l0_split:
+                                    # all four warps: hi/lo of D_0..D_3 into D1 / D2 (diagonal blocks; D1's upper-right
+                                    # block zeroed again: level 2 overwrites D1) and the level-1 operands
+                                    # D_0 | D_2 (de) and D_1 over D_3 (do)
+                                    for r, c in T.Parallel(B16, B16):
+                                        x_0 = x0_shared[0, r, c]
+                                        x_1 = x0_shared[1, r, c]
+                                        x_2 = x0_shared[2, r, c]
+                                        x_3 = x0_shared[3, r, c]
+                                        d1_hi[r, c] = _hi(x_0)
+                                        d1_lo[r, c] = _lo(x_0)
+                                        d1_hi[r, B16 + c] = 0
+                                        d1_lo[r, B16 + c] = 0
+                                        d1_hi[B16 + r, B16 + c] = _hi(x_1)
+                                        d1_lo[B16 + r, B16 + c] = _lo(x_1)
+                                        d2_hi[r, c] = _hi(x_2)
+                                        d2_lo[r, c] = _lo(x_2)
+                                        d2_hi[B16 + r, B16 + c] = _hi(x_3)
+                                        d2_lo[B16 + r, B16 + c] = _lo(x_3)
+                                        de_hi[r, c] = _hi(x_0)
+                                        de_lo[r, c] = _lo(x_0)
+                                        de_hi[r, B16 + c] = _hi(x_2)
+                                        de_lo[r, B16 + c] = _lo(x_2)
+                                        do_hi[r, c] = _hi(x_1)
+                                        do_lo[r, c] = _lo(x_1)
+                                        do_hi[B16 + r, c] = _hi(x_3)
+                                        do_lo[B16 + r, c] = _lo(x_3)
+                            stamp("h.l0", j)
+                            if skip < 2:
+                                # level 1, both 32x32 halves at once; only the diagonal 16x16 blocks of the
+                                # [32, 16] @ [16, 32] products are used (rows 16:32 of half p are chunk rows
+                                # 32 p + 16 + i):  Y_p = diag(beta) K21_p D_2p,  X_p = -D_2p+1 Y_p
+                                _gemm_hilo(k1_hi, k1_lo, de_hi, de_lo, y1_frag)
+                                for i, c in T.Parallel(B32, B32):
+                                    if i // B16 == c // B16:
+                                        # Y_0 | Y_1 side by side, in place of D_0 | D_2
+                                        y_val = y1_frag[i, c] * beta_shared[i + B16 + (i // B16) * B16, j]
+                                        de_hi[i % B16, c] = _hi(y_val)
+                                        de_lo[i % B16, c] = _lo(y_val)
+                                _gemm_hilo(do_hi, do_lo, de_hi, de_lo, x1_frag)
+                                for i, c in T.Parallel(B32, B32):
+                                    if i // B16 == c // B16:
+                                        if i < B16:
+                                            d1_hi[B16 + i, c] = _hi(-x1_frag[i, c])
+                                            d1_lo[B16 + i, c] = _lo(-x1_frag[i, c])
+                                        else:
+                                            d2_hi[i, c - B16] = _hi(-x1_frag[i, c])
+                                            d2_lo[i, c - B16] = _lo(-x1_frag[i, c])
 
-                        stamp("h.l1", j)
-                        if skip < 1:
-                            # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
-                            # [32, 32] @ [32, 32] -> [32, 32], three times each
-                            _gemm_hilo(c_hi, c_lo, d1_hi, d1_lo, y_frag)
-                            for i, c in T.Parallel(B32, B32):
-                                a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
-                                a_shared[i, B32 + c] = 0
-                                a_shared[B32 + i, B32 + c] = T.cast(
-                                    T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
-                            for i, c in T.Parallel(B32, B32):
-                                # diag(beta) C D1^{-1}, in place of D1^{-1}
-                                y_val = y_frag[i, c] * beta_shared[B32 + i, j]
-                                d1_hi[i, c] = _hi(y_val)
-                                d1_lo[i, c] = _lo(y_val)
-                            _gemm_hilo(d2_hi, d2_lo, d1_hi, d1_lo, z_frag)
-                            for i, c in T.Parallel(B32, B32):
-                                a_shared[B32 + i, c] = -z_frag[i, c]
-                        stamp("h.l2", j)
-                        for i, c in T.Parallel(BT, BT):
-                            if t0 + i < eos:
-                                A[0, t0 + i, hv0 + j, c] = a_shared[i, c]
-                        stamp("h.stored", j)
+                            stamp("h.l1", j)
+                            if skip < 1:
+                                # level 2: lower-left 32x32 block, -D2^{-1} diag(beta) C D1^{-1}
+                                # [32, 32] @ [32, 32] -> [32, 32], three times each
+                                _gemm_hilo(c_hi, c_lo, d1_hi, d1_lo, y_frag)
+                                for i, c in T.Parallel(B32, B32):
+                                    a_shared[i, c] = T.cast(T.cast(d1_hi[i, c], F32) + T.cast(d1_lo[i, c], F32), k_dtype)
+                                    a_shared[i, B32 + c] = 0
+                                    a_shared[B32 + i, B32 + c] = T.cast(
+                                        T.cast(d2_hi[i, c], F32) + T.cast(d2_lo[i, c], F32), k_dtype)
+                                for i, c in T.Parallel(B32, B32):
+                                    # diag(beta) C D1^{-1}, in place of D1^{-1}
+                                    y_val = y_frag[i, c] * beta_shared[B32 + i, j]
+                                    d1_hi[i, c] = _hi(y_val)
+                                    d1_lo[i, c] = _lo(y_val)
+                                _gemm_hilo(d2_hi, d2_lo, d1_hi, d1_lo, z_frag)
+                                for i, c in T.Parallel(B32, B32):
+                                    a_shared[B32 + i, c] = -z_frag[i, c]
+                            stamp("h.l2", j)
+                            for i, c in T.Parallel(BT, BT):
+                                if t0 + i < eos:
+                                    A[0, t0 + i, hv0 + j, c] = a_shared[i, c]
+                            stamp("h.stored", j)
                 else:
                     # padding tail: zeros
                     for i, j in T.Parallel(BT, G):
@@ -409,7 +451,7 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            MIN_BLOCKS, 0, False, A_IN_K, PDL_TRIGGER, L0_SPLIT)
+            MIN_BLOCKS, 0, False, A_IN_K, PDL_TRIGGER, L0_SPLIT, WARP_INVERSE)
 
 
 def _hpc_key(H: int, HV: int, heads_per_cta: int) -> int:

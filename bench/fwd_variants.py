@@ -30,16 +30,9 @@ VARIANTS = {
     "early-qk": {"early_qk": True},
     "prefetch-early-qk": {"prefetch": True, "early_qk": True},
 }
-# name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's; skip > 0 leaves out inverse levels
-# (timing only, A is wrong)
+# name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {
     "prepare": {},
-    "prepare-a-own": {"a_in_k": False},      # A in its own tile (the c2ee081 build)
-    "prepare-mb5": {"min_blocks": 5},
-    "prepare-skip-l12": {"skip": 2},
-    "prepare-kkt-only": {"skip": 3},
-    "prepare-l0-split": {"l0_split": True},
-    "prepare-warp-inv": {"warp_inverse": True},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

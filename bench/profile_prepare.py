@@ -4,7 +4,7 @@
 
 Times `prepare_fwd` (CUDA events, median), then runs the profiled build (`prepare.prepare_fwd_profiled`) on the
 same inputs and prints, over the sampled CTAs (key head 0, chunk slots < PROF_SLOTS), the median time of each phase
-(from the previous phase end, ns; per value head for the inverse), the CTA lifetime, and how many sampled CTAs
+(from the previous phase end, ns; "inverse" is warp 0's heads), the CTA lifetime, and how many sampled CTAs
 were alive at once. Checks that the profiled build's outputs equal the plain build's.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
-def analyse(tl, events, heads):
+def analyse(tl, events):
     from profile_fwd import median, quant
 
     """Lines of the report from a [CTAs, events] int list (rows with a zero start stamp skipped)."""
@@ -27,10 +27,7 @@ def analyse(tl, events, heads):
     if not rows:
         return ["no sampled CTA recorded a timeline"]
     ghz = median([(r[ix["m.clk1"]] - r[ix["m.clk0"]]) / max(1, r[ix["m.gt1"]] - r[ix["m.gt0"]]) for r in rows])
-    order = ["m.clk0", "found", "loaded", "kkt", "split", "cumsum"]
-    for j in range(heads):
-        order += [("h." if j == 0 else f"h{j}.") + e for e in ("l0", "l1", "l2", "stored")]
-    order.append("m.clk1")
+    order = ["m.clk0", "found", "loaded", "kkt", "split", "cumsum", "inverse", "m.clk1"]
     out = [f"{len(rows)} sampled CTAs, clock {ghz:.3f} GHz; phase = time since the previous phase end (thread 0)"]
     out.append(f"  {'phase':<12} {'median ns':>10} {'p10':>8} {'p90':>8}")
     for a, b in zip(order, order[1:]):
@@ -71,7 +68,7 @@ def main():
     if os.environ.get("OUT"):
         torch.save({"events": prepare.PROF_EVENTS, "timeline": tl.cpu()},
                    os.path.join(os.environ["OUT"], "profile_prepare_timeline.pt"))
-    print("\n".join(analyse(tl.cpu().tolist(), prepare.PROF_EVENTS, min(prepare.PROF_HEADS, HV // H))))
+    print("\n".join(analyse(tl.cpu().tolist(), prepare.PROF_EVENTS)))
 
 
 if __name__ == "__main__":

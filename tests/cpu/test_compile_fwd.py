@@ -41,9 +41,10 @@ def test_warmup_builds_the_launcher_variants():
     from flashdelta.kernels.warmup import variants
 
     todo = variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,))
-    # prepare_fwd once per heads-per-CTA split the launcher may pick (2 and 1 for HV / H = 2)
-    assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "prepare_fwd", "chunk_fwd"]
-    assert todo[3][2] == VARIANTS["bf16-gva2-h0"]  # the same cache key as a real call
+    # prepare_fwd once per heads-per-CTA split the launcher may pick (all of them for HV / H = 2: one warp each)
+    assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "chunk_fwd"]
+    assert todo[2][2] == VARIANTS["bf16-gva2-h0"]  # the same cache key as a real call
+    assert [label.split()[0] for label, _, _ in variants([(1, 8)], initial_state=(True,))].count("prepare_fwd") == 2
     seconds = flashdelta.warmup([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
                                 progress=False)
     assert seconds >= 0

@@ -1,7 +1,8 @@
 """The `prepare` builders compile for sm_90a without a GPU (TileLang's kernel cache keeps reruns fast).
 
-Checked in the emitted CUDA: K K^T runs on wgmma in k's dtype, the level-2 block products of the inverse run
-on bf16 mma (hi/lo splits), and the grid has no y/z dimension that depends on the number of sequences.
+Checked in the emitted CUDA: K K^T runs on wgmma in k's dtype, then every warp calls the per-warp inverse (no
+thread-dependent branch around it) whose block products are bf16 mma.sync, the shared memory fits `MIN_BLOCKS`
+CTAs per SM, and the grid has no y/z dimension that depends on the number of sequences.
 """
 import re
 
@@ -31,16 +32,19 @@ def _check_fwd_source(src, k_dtype):
     assert not divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
     assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
-    mma = [line for line in src.splitlines() if "mma_sync<" in line]
-    assert len(mma) >= 6 and all("kBFloat16" in line for line in mma), "level-2 products: bf16 mma"
+    kind = "fd_wy_inverse_warp<true>(" if k_dtype == torch.float16 else "fd_wy_inverse_warp<false>("
+    calls = [line for line in src.splitlines() if kind in line]
+    assert len(calls) == 1, "one per-warp inverse call, reached by every thread"
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src, "block products: bf16 mma"
+    # 4 CTAs per SM: 228 KB less 1 KB per CTA; the last buffer (beta's, <= 2 KB) starts below 52 KB
+    assert _dyn_smem_end(src) < 52 * 1024
     assert "blockIdx.z" not in src
 
 
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, 0, False, prepare.A_IN_K, prepare.PDL_TRIGGER,
-                                          prepare.L0_SPLIT, prepare.WARP_INVERSE)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -51,14 +55,12 @@ def _dyn_smem_end(src):
     return max(int(m) for m in re.findall(r"buf_dyn_shmem \+ (\d+)", src))
 
 
-def test_prepare_fwd_a_tile_variants():
-    """The A tile in its own buffer (a_in_k=False, the build measured before) compiles too, and assembling A in the
-    key tile saves that buffer's shared memory."""
-    args = prepare.builder_args(*FWD_VARIANTS[0])
-    own = prepare.build_fwd(args, a_in_k=False).get_kernel_source()
-    shared = prepare.build_fwd(args, a_in_k=True).get_kernel_source()
-    _check_fwd_source(own, torch.bfloat16)
-    assert _dyn_smem_end(own) - _dyn_smem_end(shared) >= 64 * 72 * 2
+def test_prepare_fwd_rounds_of_heads():
+    """More value heads per key head than warps (GVA 8): the heads are inverted in rounds of four."""
+    src = prepare.build_fwd(prepare.builder_args(1, 8, 128, torch.bfloat16, torch.float32)).get_kernel_source()
+    _check_fwd_source(src, torch.bfloat16)
+    assert "for (int rnd = 0; rnd < 2; ++rnd)" in src
+    assert "rnd" not in prepare.build_fwd(prepare.builder_args(*FWD_VARIANTS[0])).get_kernel_source()
 
 
 def test_prepare_bwd_compiles_sm90():
@@ -77,7 +79,7 @@ def test_prepare_fwd_profiled_build():
     args = prepare.builder_args(*FWD_VARIANTS[0])
     src = prepare.build_fwd(args, profile=True).get_kernel_source()
     assert "int64_t* __restrict__ prof" in src and "const int64_t* __restrict__ prof" not in src
-    assert src.count("fd_prof_stamp(prof,") == 9 and src.count("fd_prof_cal(prof,") == 2
+    assert src.count("fd_prof_stamp(prof,") == len(prepare.PROF_EVENTS) - 5 and src.count("fd_prof_cal(prof,") == 2
     assert "fd_prof" not in prepare.build_fwd(args).get_kernel_source()
 
 
@@ -91,7 +93,7 @@ def test_prepare_fwd_pdl_trigger_switch():
     assert ("cudaTriggerProgrammaticLaunchCompletion" in default) == prepare.PDL_TRIGGER
 
 
-@pytest.mark.parametrize("H,HV,hpc", [(16, 64, 1), (16, 64, 2), (2, 6, 1)])
+@pytest.mark.parametrize("H,HV,hpc", [(16, 64, 1), (16, 64, 2), (2, 6, 1), (1, 8, 4)])
 def test_prepare_fwd_heads_per_cta_compiles(H, HV, hpc):
     """Fewer value heads per CTA (small grids): HV / H / hpc CTAs per (chunk slot, key head), same checks."""
     args = prepare.builder_args(H, HV, 128, torch.bfloat16, torch.float32, hpc)
@@ -103,41 +105,18 @@ def test_prepare_fwd_heads_per_cta_compiles(H, HV, hpc):
 
 
 def test_pick_heads_per_cta():
-    """The launcher splits a key head's value heads over more CTAs only while the chunks still fit one wave of
-    MIN_BLOCKS CTAs per SM (132 SMs): short sequences with few heads; TP1-size grids keep every head in one CTA."""
+    """Up to four value heads per key head (one per warp) always share a CTA; more are split over CTAs (the most
+    that take one round) only while the chunks still fit one wave of MIN_BLOCKS CTAs per SM (132 SMs)."""
     pick = prepare.pick_heads_per_cta
     assert prepare.heads_per_cta_options(16, 64) == (4, 2, 1)
     assert prepare.heads_per_cta_options(8, 24) == (3, 1)
     assert prepare.heads_per_cta_options(16, 16) == (1,)
-    assert pick(2, 8, 2048) == 1 and pick(4, 16, 2048) == 1      # 256 / 512 CTAs
-    assert pick(8, 32, 2048) == 2 and pick(2, 8, 8192) == 2      # 512 CTAs
-    assert pick(16, 64, 2048) == 4 and pick(16, 64, 32768) == 4 and pick(8, 24, 2048) == 3
-    assert pick(2, 8, 2048, num_sms=16) == 4                     # a smaller GPU: one wave holds fewer
-
-
-def test_prepare_fwd_l0_split_knob():
-    """l0_split=True (`prepare.L0_SPLIT`): the substitutions land in an fp32 tile and all four warps split it into
-    the hi/lo tiles with packed stores; no barrier under a thread-dependent branch; off in the launcher's build."""
-    args = prepare.builder_args(*FWD_VARIANTS[0])
-    on = prepare.build_fwd(args, l0_split=True).get_kernel_source()
-    _check_fwd_source(on, torch.bfloat16)
-    assert "x0_shared" in on
-    assert ("x0_shared" in prepare.build_fwd(args).get_kernel_source()) == prepare.L0_SPLIT
-
-
-@pytest.mark.parametrize("v", FWD_VARIANTS + [(1, 8, 128, torch.bfloat16, torch.float32)], ids=_ids)
-def test_prepare_fwd_warp_inverse_knob(v):
-    """warp_inverse=True (`prepare.WARP_INVERSE`): K K^T still on wgmma, then every warp calls the per-warp inverse
-    (no thread-dependent branch around it, so no barrier can diverge), whose products are bf16 mma.sync; the
-    workspaces fit 4 CTAs per SM (the first ones in the dead key tile). GVA 8 takes two rounds of four heads."""
-    args = prepare.builder_args(*v)
-    src = prepare.build_fwd(args, warp_inverse=True).get_kernel_source()
-    assert not divergent_syncs(src)
-    wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
-    assert wgmma and all(_WGMMA_TYPE[v[3]] in line for line in wgmma)
-    kind = "fd_wy_inverse_warp<true>" if v[3] == torch.float16 else "fd_wy_inverse_warp<false>"
-    calls = [line for line in src.splitlines() if kind + "(" in line]
-    assert len(calls) == 1 and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
-    assert "mma_sync<" not in src and "x0_shared" not in src          # none of the CTA-wide levels
-    assert _dyn_smem_end(src) < 52 * 1024                             # + its last buffer: <= 56 KB per CTA
-    assert (v[1] // v[0] > 4) == ("rnd" in src)                       # more heads than warps: a loop of rounds
+    assert prepare.heads_per_cta_options(1, 8) == (8, 4, 1)
+    assert pick(2, 8, 2048) == 4 and pick(4, 16, 2048) == 4 and pick(8, 32, 2048) == 4
+    assert pick(16, 64, 32768) == 4 and pick(8, 24, 2048) == 3 and pick(16, 16, 2048) == 1
+    assert pick(1, 8, 2048) == 4                                  # 32 chunks x 2 CTAs: one wave, one round each
+    assert pick(1, 8, 1 << 20) == 8                               # past a wave: one CTA per key head
+    assert pick(1, 8, 2048, num_sms=8) == 8                       # a smaller GPU: the split no longer fits a wave
+    for H, HV in ((16, 64), (8, 24), (16, 16), (1, 8), (1, 6)):
+        picks = {pick(H, HV, n, num_sms=m) for n in (1, 64, 2048, 1 << 16, 1 << 22) for m in (8, 132)}
+        assert picks <= set(prepare.launcher_heads_per_cta(H, HV)), (H, HV)   # what warmup compiles

@@ -15,7 +15,9 @@ them and with all of a key head's where the launcher splits them (`prepare.pick_
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,6 +31,7 @@ VARIANTS = {
     "prefetch": {"prefetch": True},
     "early-qk": {"early_qk": True},
     "prefetch-early-qk": {"prefetch": True, "early_qk": True},
+    "swz-ldst": {"swz_ldst": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {
@@ -57,10 +60,13 @@ def main():
     global H, HV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="8192,32768",
-                    help="comma-separated sequence mixes: T (one sequence) or LxN (N sequences of L, L % 64 == 0)")
+                    help="comma-separated sequence mixes: T (one sequence) or LxN (N sequences of L, L %% 64 == 0)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--heads", default=f"{H}/{HV}", help="H/HV of the inputs (K = V = 128)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="fused variants: time them in this many interleaved rounds (A B C A B C ...), report the "
+                         "median of the rounds' medians (clock and thermal drift then hit every variant alike)")
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
     ap.add_argument("--pair", action="store_true",
@@ -156,18 +162,23 @@ def main():
                 d_o = (o.float() - o_off.float()).abs().max().item()
                 rows.append((spec, f"pair-{pname}", ms, ms * 1e3 / NT, d_o, 0.0))
                 print(f"{spec} prepare+fused {pname} (heads per CTA {hpc}): {ms:.4f} ms (graph)", flush=True)
+        runs, diffs, times = {}, {}, {name: [] for name in names}
         for name in names:
             a, flags = builder_flags(ff, name)
             kernel = ff.build(a, **flags)
             o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
             kernel(q, k, v, gc, beta, A, h0, cu, o, ht)
             torch.cuda.synchronize()
-            d_o = (o.float() - o_ref.float()).abs().max().item()
-            d_h = (ht - ht_ref).abs().max().item()
-            ms = cuda_time(lambda: kernel(q, k, v, gc, beta, A, h0, cu, o, ht), args.reps)
+            diffs[name] = ((o.float() - o_ref.float()).abs().max().item(), (ht - ht_ref).abs().max().item())
+            runs[name] = functools.partial(kernel, q, k, v, gc, beta, A, h0, cu, o, ht)
+        for _ in range(args.rounds):
+            for name in names:
+                times[name].append(cuda_time(runs[name], args.reps))
+        for name in names:
+            ms, (d_o, d_h) = statistics.median(times[name]), diffs[name]
             rows.append((spec, name, ms, ms * 1e3 / NT, d_o, d_h))
-            print(f"{spec} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}",
-                  flush=True)
+            print(f"{spec} {name}: {ms:.4f} ms, {ms * 1e3 / NT:.3f} us/chunk, max|do| {d_o:.3g} max|dht| {d_h:.3g}"
+                  f" (rounds: {' '.join(f'{t:.4f}' for t in times[name])})", flush=True)
     print(f"\n{torch.cuda.get_device_name()} | H={H} HV={HV} K=V={K} bf16, {HV * V // ff.BLOCK_V} CTAs per sequence; "
           "us/chunk = ms / total chunks (per CTA only for one sequence)")
     print(f"{'tokens':>9} {'variant':<16} {'ms':>8} {'us/chunk':>9} {'max|do|':>9} {'max|dht|':>9}")

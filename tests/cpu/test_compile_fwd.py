@@ -105,6 +105,18 @@ def test_prefetch_switch():
     assert ("fd_prefetch_rows" in default) == fused_fwd.PREFETCH
 
 
+def test_swz_ldst_switch():
+    """swz_ldst=True (`fused_fwd.SWZ_LDST`): the prep warpgroup reads the A tile with ldmatrix and writes Ae, Ag and Pg
+    with stmatrix (one call per tile, no 4-byte element loop left for them); off in the launcher's build."""
+    for name in ("bf16-gva2-h0", "fp16-noh0-vfirst"):
+        kind = "fd_store_acc_swz<true>(" if "fp16" in name else "fd_store_acc_swz<false>("
+        on = fused_fwd.build(VARIANTS[name], swz_ldst=True).get_kernel_source()
+        assert on.count(kind) == 3 and on.count("fd_load_swz_acc(") == 2   # the helper + one call
+        assert on.count("__syncthreads()") == 1
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert ("fd_store_acc_swz" in default) == fused_fwd.SWZ_LDST
+
+
 def test_early_qk_switch():
     """early_qk=True (`fused_fwd.EARLY_QK`): the pipelined loop frees chunk c's q/k slot and prep buffers right after
     the wait that completes chunk c's GEMMs, before chunk c+1's Y GEMMs are issued; off in the launcher's build."""

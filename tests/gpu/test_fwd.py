@@ -184,7 +184,7 @@ def test_offsets_past_2_31_elements():
 VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SWITCH_SETS = {"plain-order": {"overlap": False}, "no-early-release": {"early_release": not fused_fwd.EARLY_RELEASE},
                "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "prefetch": {"prefetch": not fused_fwd.PREFETCH},
-               "early-qk": {"early_qk": not fused_fwd.EARLY_QK}}
+               "early-qk": {"early_qk": not fused_fwd.EARLY_QK}, "swz-ldst": {"swz_ldst": not fused_fwd.SWZ_LDST}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))

@@ -71,9 +71,13 @@ PREFETCH = False
 # wait that follows chunk c+1's V^T Ag^T), not after chunk c+1's Y / Y Ae^T issue: the q/k TMA of chunk c+3 starts
 # ~0.5 us earlier (the prep warpgroup waits on it in the plain build: NOTES-gpu.md session 5). Off until measured.
 EARLY_QK = False
+# The prep warpgroup reads the A tile and writes Ae, Ag and Pg with ldmatrix / stmatrix (`_ptx.SWZ_TILE_PRELUDE`:
+# 16 x4 instructions per chunk and thread instead of 64 4-byte accesses); the prep warpgroup's loads and stores
+# were ~0.45 us of its ~1.5 us busy time per chunk (NOTES-gpu.md session 5 timeline). Off until measured.
+SWZ_LDST = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch", "early_qk")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch", "early_qk", "swz_ldst")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -88,10 +92,12 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, prefetch: bool = False, early_qk: bool = False):
+                     profile: bool = False, pdl: bool = False, prefetch: bool = False, early_qk: bool = False,
+                     swz_ldst: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`; early_qk: see `EARLY_QK`. profile=True adds the output ``prof``
+    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`; early_qk: see `EARLY_QK`; swz_ldst: see `SWZ_LDST`.
+    profile=True adds the output ``prof``
     (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -205,7 +211,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
     @T.macro
     def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
-                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f, tx):
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
@@ -216,7 +222,10 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            T.copy(a_s[st, :, :], a_f)
+            if swz_ldst:
+                T.call_extern("handle", "fd_load_swz_acc", a_f.data, T.address_of(a_s[st, 0, 0]), tx - 128)
+            else:
+                T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
             T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
@@ -233,13 +242,23 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                 ag32_f[i, j] = ab * gam
                 ab32_f[i, j] = ab * ei_f[i]
                 p_f[i, j] = p_f[i, j] * gam * scale
-            T.copy(ab32_f, ab_f)
-            T.copy(ag32_f, ag_f)
-            T.copy(p_f, pgb_f)
-            mark(c, "p.ew_done")
-            T.copy(ab_f, ae_s[pb, :, :])
-            T.copy(ag_f, a_s[st, :, :])
-            T.copy(pgb_f, pg_s[pb, :, :])
+            if swz_ldst:
+                # packed conversions and stmatrix in one pass (p.ew_done then marks the element-wise loop only)
+                mark(c, "p.ew_done")
+                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], ab32_f.data, T.address_of(ae_s[pb, 0, 0]),
+                              tx - 128)
+                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], ag32_f.data, T.address_of(a_s[st, 0, 0]),
+                              tx - 128)
+                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], p_f.data, T.address_of(pg_s[pb, 0, 0]),
+                              tx - 128)
+            else:
+                T.copy(ab32_f, ab_f)
+                T.copy(ag32_f, ag_f)
+                T.copy(p_f, pgb_f)
+                mark(c, "p.ew_done")
+                T.copy(ab_f, ae_s[pb, :, :])
+                T.copy(ag_f, a_s[st, :, :])
+                T.copy(pgb_f, pg_s[pb, :, :])
             row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             mark(c, "p.stored")
             T.fence_proxy_async()
@@ -261,7 +280,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         prof: prof_t,
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "") + \
-            (_ptx.PREFETCH_ROWS_PRELUDE if prefetch else "")
+            (_ptx.PREFETCH_ROWS_PRELUDE if prefetch else "") + (_ptx.SWZ_TILE_PRELUDE if swz_ldst else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
@@ -445,7 +464,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
                     prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
                               pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
-                              ei_f)
+                              ei_f, tx)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -516,7 +535,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, PREFETCH, EARLY_QK)
+            PDL_SYNC, PREFETCH, EARLY_QK, SWZ_LDST)
 
 
 def build(args: tuple, **switches):

@@ -28,10 +28,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
-    "prefetch": {"prefetch": True},
-    "early-qk": {"early_qk": True},
-    "prefetch-early-qk": {"prefetch": True, "early_qk": True},
-    "swz-ldst": {"swz_ldst": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the open experiments (NOTES-gpu.md), logs under $OUT. Timing first (the kernels come from the
 # carried TileLang cache), then the GPU test tier (four files in parallel; test_e2e_gpu compiles its kernels there):
-#   1. the fused kernel (launcher's build vs the L2-prefetch and early q/k release switches) and prepare_fwd at 16/64
+#   1. the fused kernel (the launcher's build and the VARIANTS given) and prepare_fwd at 16/64
 #      1x8192 and 1x32k
 #      (bench/fwd_variants.py), and on short rows (2/8, 4/16, 8/32;
 #      1x2048, 1x4096, 4x2048) prepare + fused in one CUDA graph with prepare's value heads per CTA as the launcher
@@ -17,9 +17,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
-# env: TOKENS, VARIANTS, PREP_VARIANTS (fwd_variants.py's lists), TESTS (test files), PROFILE=0 skips the timelines
-timeout 120 python3 bench/fwd_variants.py --tokens "${TOKENS:-8192,32768}" --prepare \
-  --prepare-variants "${PREP_VARIANTS:-prepare}" --variants "${VARIANTS:-default,prefetch,early-qk}" \
+# env: TOKENS, VARIANTS, PREP_VARIANTS (fwd_variants.py's lists), ROUNDS (interleaved timing rounds), TESTS (test
+# files), PROFILE=0 skips the timelines
+timeout 120 python3 bench/fwd_variants.py --rounds "${ROUNDS:-1}" --tokens "${TOKENS:-8192,32768}" --prepare \
+  --prepare-variants "${PREP_VARIANTS:-prepare}" --variants "${VARIANTS:-default}" \
   2>&1 | quiet > "$L/exp_variants.log"
 # prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
 for hv in $([ "${PAIRS:-1}" = 1 ] && echo 2/8 4/16 8/32); do   # PAIRS=0 skips them

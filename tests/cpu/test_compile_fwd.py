@@ -95,38 +95,3 @@ def test_pdl_sync_switch():
     assert ("cudaGridDependencySynchronize" in default) == fused_fwd.PDL_SYNC
 
 
-def test_prefetch_switch():
-    """prefetch=True (`fused_fwd.PREFETCH`): the load warp asks L2 for the next chunk's q/k rows (PTX
-    prefetch.global.L2); off in the launcher's build until measured."""
-    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], prefetch=True).get_kernel_source()
-    assert "prefetch.global.L2" in on and on.count("fd_prefetch_rows(") == 3   # the helper + q and k
-    assert on.count("__syncthreads()") == 1
-    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    assert ("fd_prefetch_rows" in default) == fused_fwd.PREFETCH
-
-
-def test_swz_ldst_switch():
-    """swz_ldst=True (`fused_fwd.SWZ_LDST`): the prep warpgroup reads the A tile with ldmatrix and writes Ae, Ag and Pg
-    with stmatrix (one call per tile, no 4-byte element loop left for them); off in the launcher's build."""
-    for name in ("bf16-gva2-h0", "fp16-noh0-vfirst"):
-        kind = "fd_store_acc_swz<true>(" if "fp16" in name else "fd_store_acc_swz<false>("
-        on = fused_fwd.build(VARIANTS[name], swz_ldst=True).get_kernel_source()
-        assert on.count(kind) == 3 and on.count("fd_load_swz_acc(") == 2   # the helper + one call
-        assert on.count("__syncthreads()") == 1
-    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    assert ("fd_store_acc_swz" in default) == fused_fwd.SWZ_LDST
-
-
-def test_early_qk_switch():
-    """early_qk=True (`fused_fwd.EARLY_QK`): the pipelined loop frees chunk c's q/k slot and prep buffers right after
-    the wait that completes chunk c's GEMMs, before chunk c+1's Y GEMMs are issued; off in the launcher's build."""
-    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], early_qk=True).get_kernel_source()
-
-    def arrive_before_y(src):
-        """Does the pipelined loop free slot c before chunk c+1's Y = S0^T K^T (the first 16 KB-stage descriptor of
-        slot c+1: k_s; q_s/k_s stages are 16 KB, v_s/a_s 8 KB)?"""
-        loop = src[src.index("for (int c = 0; c < ("):]
-        return loop.index("empty[(c % 3)].arrive()") < loop.index("(((c + 1) % 3) * 16384)")
-    assert arrive_before_y(on) and arrive_before_y(default) == fused_fwd.EARLY_QK
-    assert on.count("__syncthreads()") == 1

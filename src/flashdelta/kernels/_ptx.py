@@ -85,22 +85,7 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 }
 """
 
-# Prepended with the fused kernel's `prefetch` switch: the load warp asks L2 for the 128-byte lines of the next
-# chunk's q/k tile rows [0, rows) (`row_bytes` each, `pitch` bytes apart) a loop iteration before its TMA copies, so the
-# copies that follow hit L2 (NOTES-gpu.md session 5: the prep warpgroup waits on the q/k loads in the plain build).
-# Rows past the tensor's end are never touched (the caller clamps `rows`).
-PREFETCH_ROWS_PRELUDE = r"""
-__device__ __forceinline__ void fd_prefetch_rows(const void* base, int rows, long long pitch, int row_bytes,
-                                                 int lane) {
-  const int lines = (row_bytes + 127) >> 7;
-  const char* const p = static_cast<const char*>(base);
-  for (int i = lane; i < rows * lines; i += 32) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p + (i / lines) * pitch + (i % lines) * 128));
-  }
-}
-"""
-
-# prepare's `warp_inverse` build: one warp inverts one value head's unit lower triangular 64x64 matrix
+# prepare_fwd: one warp inverts one value head's unit lower triangular 64x64 matrix
 #   M = I + strictly_lower(diag(beta) L),  L = K K^T (symmetric, fp32 accumulated, unscaled),
 # with no CTA barrier. 16x16 blocks: level 0, the diagonal blocks D_b = M_bb^{-1} by right-looking forward
 # substitution (fp32; lane = one column of blocks hb and 2 + hb); then, row block by row block, the transposed
@@ -308,52 +293,3 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
 }
 """
 WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}
-
-# The fused kernel's `swz_ldst` switch: the prep warpgroup moves its 64x64 16-bit tiles between the wgmma m64n64
-# accumulator layout (thread tx of the warpgroup: element 4 j + 2 h + e at row 16 (tx / 32) + 8 h + (tx % 32) / 4,
-# column 8 j + 2 (tx % 4) + e) and the 128-byte-swizzled row-major tiles wgmma reads (row r at r * 128 bytes, its
-# 16-byte chunk c at chunk c ^ (r % 8)) with ldmatrix / stmatrix: four x4 instructions per tile and thread instead
-# of sixteen 4-byte accesses (each 8x8 matrix of the layout is one contiguous 16-byte chunk per row).
-SWZ_TILE_PRELUDE = r"""
-template <bool kHalf>
-__device__ __forceinline__ unsigned fd_swz_pack2(float lo, float hi) {
-  unsigned r;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
-}
-// the shared address of the x4 matrix this lane addresses for n8 blocks (j, j + 1) of its warp's 16 rows
-__device__ __forceinline__ unsigned fd_swz_addr(const void* tile, int j, int tx) {
-  const int lane = tx & 31, mi = lane >> 3, r = lane & 7;
-  const int row = 16 * (tx >> 5) + 8 * (mi & 1) + r;
-  return static_cast<unsigned>(__cvta_generic_to_shared(tile)) + row * 128 + (((j + (mi >> 1)) ^ r) << 4);
-}
-// fp32 accumulator (32 values) -> 16-bit swizzled tile
-template <bool kHalf>
-__device__ __forceinline__ void fd_store_acc_swz(const float* acc, void* tile, int tx) {
-  #pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(fd_swz_addr(tile, j, tx)),
-                    "r"(fd_swz_pack2<kHalf>(acc[4 * j], acc[4 * j + 1])),
-                    "r"(fd_swz_pack2<kHalf>(acc[4 * j + 2], acc[4 * j + 3])),
-                    "r"(fd_swz_pack2<kHalf>(acc[4 * j + 4], acc[4 * j + 5])),
-                    "r"(fd_swz_pack2<kHalf>(acc[4 * j + 6], acc[4 * j + 7]))
-                 : "memory");
-  }
-}
-// 16-bit swizzled tile -> the accumulator layout, 16-bit values (32 per thread, as 16 packed pairs)
-__device__ __forceinline__ void fd_load_swz_acc(void* frag, const void* tile, int tx) {
-  unsigned* out = static_cast<unsigned*>(frag);
-  #pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(out[2 * j]), "=r"(out[2 * j + 1]), "=r"(out[2 * j + 2]), "=r"(out[2 * j + 3])
-                 : "r"(fd_swz_addr(tile, j, tx)) : "memory");
-  }
-}
-"""
-STORE_ACC_SWZ = {"bfloat16": "fd_store_acc_swz<false>", "float16": "fd_store_acc_swz<true>"}

@@ -63,21 +63,9 @@ EARLY_RELEASE = True
 # copy) is then the one waited for. TileLang's tvm_ffi launcher sets the programmatic attribute for kernels with a
 # pdl_sync (bench/probe_pdl.py, NOTES-gpu.md session 4).
 PDL_SYNC = False
-# L2 prefetch of the next chunk's q/k rows by the load warp at its loop top, a ring slot ahead of their TMA copies
-# (the prep warpgroup waits on the q/k loads in the plain build, whose ring slot frees last: NOTES-gpu.md session 5).
-# Off until measured.
-PREFETCH = False
-# Pipelined order: free chunk c's q/k ring slot and prep buffers as soon as its GEMMs are complete (right after the
-# wait that follows chunk c+1's V^T Ag^T), not after chunk c+1's Y / Y Ae^T issue: the q/k TMA of chunk c+3 starts
-# ~0.5 us earlier (the prep warpgroup waits on it in the plain build: NOTES-gpu.md session 5). Off until measured.
-EARLY_QK = False
-# The prep warpgroup reads the A tile and writes Ae, Ag and Pg with ldmatrix / stmatrix (`_ptx.SWZ_TILE_PRELUDE`:
-# 16 x4 instructions per chunk and thread instead of 64 4-byte accesses); the prep warpgroup's loads and stores
-# were ~0.45 us of its ~1.5 us busy time per chunk (NOTES-gpu.md session 5 timeline). Off until measured.
-SWZ_LDST = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "prefetch", "early_qk", "swz_ldst")
+SWITCHES = ("overlap", "early_release", "profile", "pdl")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -92,12 +80,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, prefetch: bool = False, early_qk: bool = False,
-                     swz_ldst: bool = False):
+                     profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; prefetch: see `PREFETCH`; early_qk: see `EARLY_QK`; swz_ldst: see `SWZ_LDST`.
-    profile=True adds the output ``prof``
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof``
     (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -160,11 +146,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         mark(c, "s.released")
 
     @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, release=True):
-        # chunk c's GEMMs have completed: free its ring slot and prep buffers (unless already freed: early_qk), stage
-        # O^T for the store warp
-        if release:
-            release_slot(c, empty, pout_empty, mark)
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
+        release_slot(c, empty, pout_empty, mark)
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
         stage_o(c % 2, o_f, o_s, tx)
@@ -211,7 +195,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
     @T.macro
     def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
-                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f, tx):
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
@@ -222,10 +206,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
             T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-            if swz_ldst:
-                T.call_extern("handle", "fd_load_swz_acc", a_f.data, T.address_of(a_s[st, 0, 0]), tx - 128)
-            else:
-                T.copy(a_s[st, :, :], a_f)
+            T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
             T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
@@ -242,23 +223,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                 ag32_f[i, j] = ab * gam
                 ab32_f[i, j] = ab * ei_f[i]
                 p_f[i, j] = p_f[i, j] * gam * scale
-            if swz_ldst:
-                # packed conversions and stmatrix in one pass (p.ew_done then marks the element-wise loop only)
-                mark(c, "p.ew_done")
-                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], ab32_f.data, T.address_of(ae_s[pb, 0, 0]),
-                              tx - 128)
-                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], ag32_f.data, T.address_of(a_s[st, 0, 0]),
-                              tx - 128)
-                T.call_extern("handle", _ptx.STORE_ACC_SWZ[dtype], p_f.data, T.address_of(pg_s[pb, 0, 0]),
-                              tx - 128)
-            else:
-                T.copy(ab32_f, ab_f)
-                T.copy(ag32_f, ag_f)
-                T.copy(p_f, pgb_f)
-                mark(c, "p.ew_done")
-                T.copy(ab_f, ae_s[pb, :, :])
-                T.copy(ag_f, a_s[st, :, :])
-                T.copy(pgb_f, pg_s[pb, :, :])
+            T.copy(ab32_f, ab_f)
+            T.copy(ag32_f, ag_f)
+            T.copy(p_f, pgb_f)
+            mark(c, "p.ew_done")
+            T.copy(ab_f, ae_s[pb, :, :])
+            T.copy(ag_f, a_s[st, :, :])
+            T.copy(pgb_f, pg_s[pb, :, :])
             row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             mark(c, "p.stored")
             T.fence_proxy_async()
@@ -279,8 +250,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "") + \
-            (_ptx.PREFETCH_ROWS_PRELUDE if prefetch else "") + (_ptx.SWZ_TILE_PRELUDE if swz_ldst else "")
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
@@ -389,12 +359,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
-                                if early_qk:   # chunk c's GEMMs are complete: its q/k, Pg, Ae, R, dq are free
-                                    release_slot(c, empty, pout_empty, mark)
                                 issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx,
-                                                    release=not early_qk)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
@@ -464,7 +431,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
                     prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
                               pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
-                              ei_f, tx)
+                              ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
@@ -473,15 +440,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             st = c % NS
                             t0 = bos + c * BT
                             mark(c, "l.begin")
-                            if prefetch:
-                                if c + 1 < NT:   # the next chunk's q/k rows of this sequence, into L2
-                                    t1 = T.cast(t0 + BT, "int64")
-                                    n1 = T.min(eos - (t0 + BT), BT)
-                                    lane = tx - 256
-                                    T.call_extern("handle", "fd_prefetch_rows", T.address_of(q[0, t1, i_h, 0]), n1,
-                                                  H * K * 2, K * 2, lane)
-                                    T.call_extern("handle", "fd_prefetch_rows", T.address_of(k[0, t1, i_h, 0]), n1,
-                                                  H * K * 2, K * 2, lane)
                             if early_release:
                                 T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             else:
@@ -535,7 +493,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, PREFETCH, EARLY_QK, SWZ_LDST)
+            PDL_SYNC)
 
 
 def build(args: tuple, **switches):

@@ -32,6 +32,7 @@ VARIANTS = {
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {
     "prepare": {},
+    "prepare-warp-phases": {"warp_phases": True},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

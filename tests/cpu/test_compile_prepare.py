@@ -44,7 +44,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER, prepare.WARP_PHASES)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -120,3 +120,16 @@ def test_pick_heads_per_cta():
     for H, HV in ((16, 64), (8, 24), (16, 16), (1, 8), (1, 6)):
         picks = {pick(H, HV, n, num_sms=m) for n in (1, 64, 2048, 1 << 16, 1 << 22) for m in (8, 132)}
         assert picks <= set(prepare.launcher_heads_per_cta(H, HV)), (H, HV)   # what warmup compiles
+
+
+@pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
+def test_prepare_fwd_warp_phases_knob(v):
+    """warp_phases (`prepare.WARP_PHASES`): the split and the cumsum of g run as warp-level calls (stmatrix, shuffle
+    scan) with the block scan gone, leaving one CTA barrier between K K^T and the inverse."""
+    src = prepare.build_fwd(prepare.builder_args(*v), warp_phases=True).get_kernel_source()
+    _check_fwd_source(src, v[3])
+    assert "fd_wy_split(kk_frag" in src and "fd_wy_cumsum(" in src and "CumSum2D" not in src
+    start = src.index("fd_wy_split(kk_frag")
+    assert src[start:src.index("fd_wy_inverse_warp<", start)].count("__syncthreads()") == 1
+    default = prepare.build_fwd(prepare.builder_args(*v)).get_kernel_source()
+    assert ("fd_wy_cumsum(" in default) == prepare.WARP_PHASES

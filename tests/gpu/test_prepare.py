@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import Case, assert_close, make_inputs, random_lengths
 
+from flashdelta.kernels import prepare
 from flashdelta.reference import chunked as ref
 
 
@@ -64,6 +65,29 @@ def test_prepare_fwd(case):
     k, g, beta, cu = _inputs(case)
     g_cumsum, A = prepare_fwd(k, g, beta, cu)
     torch.cuda.synchronize()
+    _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
+    again = prepare_fwd(k, g, beta, cu)
+    assert torch.equal(again[0], g_cumsum) and torch.equal(again[1], A), "run-to-run bits differ"
+
+
+# Development knobs of the prepare builder (prepare.KNOBS) other than the launcher's values, each checked against
+# the reference on every case.
+KNOB_SETS = {"warp-phases": {"warp_phases": not prepare.WARP_PHASES}}
+
+
+@pytest.mark.parametrize("knobs", list(KNOB_SETS))
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prepare_fwd_knob_variant(case, knobs):
+    k, g, beta, cu = _inputs(case)
+    args = prepare.builder_args(case.H, case.HV, case.K, case.dtype, case.beta_dtype)
+    g_cumsum = torch.full((1, k.shape[1], case.HV), float("nan"), device="cuda")
+    A = torch.full((1, k.shape[1], case.HV, 64), float("nan"), dtype=k.dtype, device="cuda")
+    prepare.build_fwd(args, **KNOB_SETS[knobs])(k, g, beta, cu.to(torch.int32), g_cumsum, A)
+    torch.cuda.synchronize()
+    _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
+
+
+def _check_against_reference(case, k, g, beta, cu, g_cumsum, A):
     g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
     assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
     assert_close("g_cumsum", g_cumsum, g_ref)
@@ -72,8 +96,6 @@ def test_prepare_fwd(case):
     assert torch.all(A[zero] == 0), f"{int((A[zero] != 0).sum())} entries nonzero where the reference is 0"
     if case.pad:
         assert torch.all(g_cumsum[:, -case.pad:] == 0)
-    again = prepare_fwd(k, g, beta, cu)
-    assert torch.equal(again[0], g_cumsum) and torch.equal(again[1], A), "run-to-run bits differ"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9], CASES[11]], ids=str)

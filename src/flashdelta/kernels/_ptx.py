@@ -293,3 +293,67 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
 }
 """
 WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}
+
+# prepare_fwd's per-CTA phases at warp level (`prepare.WARP_PHASES`): the key tile's K K^T accumulator (wgmma m64n64
+# layout: thread tx holds element 4 j + 2 h + e at row 16 (tx / 32) + 8 h + (tx % 32) / 4, column 8 j + 2 (tx % 4)
+# + e) into the inverse's inputs (diagonal blocks fp32 [4][16][17]; rows 16..63 x cols 0..47 as bf16 hi/lo [48][56]
+# by stmatrix), and the chunk-local cumsum of g (a shuffle scan per value head, straight to global memory).
+WY_PHASES_PRELUDE = r"""
+__device__ __forceinline__ void fd_wy_split(const float* acc, float* kkd, void* lhi_p, void* llo_p, int tx) {
+  const int w = tx >> 5, lane = tx & 31, g = lane >> 2, q = lane & 3;
+  // the diagonal block of warp w's rows: columns 16 w .. 16 w + 15 (n8 blocks j = 2 w, 2 w + 1)
+  float* d = kkd + w * 16 * 17;
+  #pragma unroll
+  for (int ww = 0; ww < 4; ++ww) {             // constant register indices: ww == w selects
+    if (ww == w) {
+      #pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          d[(8 * h + g) * 17 + 8 * jj + 2 * q] = acc[4 * (2 * ww + jj) + 2 * h];
+          d[(8 * h + g) * 17 + 8 * jj + 2 * q + 1] = acc[4 * (2 * ww + jj) + 2 * h + 1];
+        }
+      }
+    }
+  }
+  if (w == 0) return;
+  // blocks (w, m < w): n8 blocks j < 2 w, one stmatrix.x4 per pair (j, j + 1) for hi and for lo
+  const int mi = lane >> 3, r = lane & 7;
+  const unsigned row = 16 * (w - 1) + 8 * (mi & 1) + r;
+  const unsigned hi0 = static_cast<unsigned>(__cvta_generic_to_shared(lhi_p)) + row * """ + str(2 * WY_LP) + r""";
+  const unsigned lo0 = static_cast<unsigned>(__cvta_generic_to_shared(llo_p)) + row * """ + str(2 * WY_LP) + r""";
+  #pragma unroll
+  for (int j = 0; j < 6; j += 2) {
+    if (j < 2 * w) {
+      unsigned hi[4], lo[4];
+      #pragma unroll
+      for (int k = 0; k < 4; ++k) fd_wy_split2(acc[4 * j + 2 * k], acc[4 * j + 2 * k + 1], hi[k], lo[k]);
+      const unsigned off = 16u * (j + (mi >> 1));
+      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
+                   :: "r"(hi0 + off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]), "r"(hi[3]) : "memory");
+      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
+                   :: "r"(lo0 + off), "r"(lo[0]), "r"(lo[1]), "r"(lo[2]), "r"(lo[3]) : "memory");
+    }
+  }
+}
+// g_cumsum rows [0, rows) of value heads j = warp, warp + 4, ... < G: g_s[i * g_stride + j] (0 past the end) ->
+// out[i * pitch + j]; lane l holds rows 2 l, 2 l + 1, a shuffle scan over the lanes' pair sums gives the rows before
+__device__ __forceinline__ void fd_wy_cumsum(const float* g_s, int g_stride, int G, float* out, long long pitch,
+                                             int rows, int tx) {
+  const int lane = tx & 31;
+  for (int j = tx >> 5; j < G; j += 4) {
+    const float v0 = g_s[(2 * lane) * g_stride + j], v1 = g_s[(2 * lane + 1) * g_stride + j];
+    float s = v0 + v1;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float t = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += t;
+    }
+    float e = __shfl_up_sync(0xffffffffu, s, 1);   // the rows before 2 l
+    e = lane == 0 ? 0.f : e;
+    const float c0 = e + v0;
+    if (2 * lane < rows) out[(2 * lane) * pitch + j] = c0;
+    if (2 * lane + 1 < rows) out[(2 * lane + 1) * pitch + j] = c0 + v1;
+  }
+}
+"""

@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--heads", default=f"{H}/{HV}", help="H/HV of the inputs (K = V = 128)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="fused variants: time them in this many interleaved rounds (A B C A B C ...), report the "
+                    help="time the variants (fused, and prepare ones among themselves) in this many interleaved rounds (A B C A B C ...), report the "
                          "median of the rounds' medians (clock and thermal drift then hit every variant alike)")
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
@@ -127,14 +127,21 @@ def main():
         if args.prepare:
             g = torch.zeros_like(gc)
             gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)
+            p_runs, p_diffs, p_times = {}, {}, {name: [] for name in prepare_variants}
             for name, knobs in prepare_variants.items():
                 kernel = prepare.build_fwd(pargs, **knobs)
                 kernel(k, g, beta, cu, gc_out, A_out)
                 torch.cuda.synchronize()
-                d_a = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding-level
-                ms = cuda_time(lambda: kernel(k, g, beta, cu, gc_out, A_out), args.reps)
+                p_diffs[name] = (A_out.float() - A.float()).abs().max().item()   # A from torch (bf16): rounding
+                p_runs[name] = functools.partial(kernel, k, g, beta, cu, gc_out, A_out)
+            for _ in range(args.rounds):
+                for name in prepare_variants:
+                    p_times[name].append(cuda_time(p_runs[name], args.reps))
+            for name in prepare_variants:
+                ms, d_a = statistics.median(p_times[name]), p_diffs[name]
                 rows.append((spec, name, ms, ms * 1e3 / NT, d_a, 0.0))
-                print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g}", flush=True)
+                print(f"{spec} {name}: {ms:.4f} ms, max|dA| {d_a:.3g} (rounds: "
+                      f"{' '.join(f'{t:.4f}' for t in p_times[name])})", flush=True)
         if args.pair:
             g = torch.zeros_like(gc)
             gc_out, A_out = torch.empty_like(gc), torch.empty_like(A)

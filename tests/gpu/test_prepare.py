@@ -72,7 +72,7 @@ def test_prepare_fwd(case):
 
 # Development knobs of the prepare builder (prepare.KNOBS) other than the launcher's values, each checked against
 # the reference on every case.
-KNOB_SETS = {"warp-phases": {"warp_phases": not prepare.WARP_PHASES}}
+KNOB_SETS = {"l0-columns": {"l0_rows": not prepare.L0_ROWS}}
 
 
 @pytest.mark.parametrize("knobs", list(KNOB_SETS))

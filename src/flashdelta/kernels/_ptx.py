@@ -96,15 +96,17 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 # from the level-0 scratch (held transposed). Each finished row block of A goes through a 16-row strip
 # (stmatrix.trans of U) to global memory.
 #   lhi, llo: 16-bit [48][WY_LP]: rows 16..63, cols 0..47 of L as bf16 hi/lo (only the blocks i > m are read).
-#   kkd: fp32 [4][16][17]: L's diagonal blocks.  beta + i * beta_stride: beta of row i (0 past the end).
+#   kkd: fp32 L's diagonal blocks, block b row r at kkd + b * WY_KB + r * WY_KP (16-byte aligned rows).  beta + i * beta_stride: beta of row i (0 past the end).
 #   ws_a, ws_b: the warps' workspaces, WY_WS_FLOATS floats each (16-byte aligned): warp w < n_a uses the w-th of
 #   ws_a, the others the (w - n_a)-th of ws_b (the kernel hosts ws_a in the dead key tile). A workspace holds the
 #   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype. tid: the thread's index in the CTA.  a_out: the global A row of the chunk's first token for this value head; rows
 #   are a_pitch elements apart; rows >= `rows` are not written.  active: false = the warp has no head (returns).
 WY_LP = 56
+WY_KP = 20             # diagonal block row pitch (floats): 16-byte aligned rows
+WY_KB = 16 * WY_KP + 4  # block pitch: the two blocks a warp reads at once sit on other banks
 WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
 WY_INVERSE_PRELUDE = r"""
-constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""";
+constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""", kFdWyKp = """ + str(WY_KP) + r""", kFdWyKb = """ + str(WY_KB) + r""";
 __device__ __forceinline__ unsigned fd_wy_bf16x2(float x0, float x1) {
   unsigned r;  // x0 in the low half
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
@@ -182,7 +184,7 @@ __device__ __forceinline__ void fd_wy_store_t(const float (&u)[2][4], unsigned s
                   "r"(fd_wy_out2<kHalf>(u[1][0], u[1][1])), "r"(fd_wy_out2<kHalf>(u[1][2], u[1][3]))
                : "memory");
 }
-template <bool kHalf>
+template <bool kHalf, bool kRows>
 __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void* llo_p, const float* kkd,
                                                    const float* beta, int beta_stride, void* ws_a, int n_a,
                                                    void* ws_b, void* a_out, long long a_pitch, int rows,
@@ -193,25 +195,51 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
                                : static_cast<float*>(ws_b) + (warp - n_a) * kFdWyWs;
   constexpr int SP = 20;                       // scratch row length (floats): conflict-free row writes, column reads
   const int g = lane >> 2, q = lane & 3;
-  // level 0: lane owns column c of D_hb and of D_{2+hb}; s accumulates sum_{m<r} L[r][m] x[m] (right-looking)
+  // level 0: lane owns column c of D_hb and of D_{2+hb}:  x[r] = (r == c) - beta_r sum_{m<r} L[r][m] x[m], the sum
+  // accumulated in m order either way. kRows: left-looking, row r of L read as 16-byte vectors (36 loads per block,
+  // broadcast to the block's 16 lanes); else right-looking, column m read element by element (120 loads per block).
   {
     const int c = lane & 15, hb = lane >> 4;
-    const float* l0 = kkd + hb * 16 * 17;
-    const float* l1 = kkd + (2 + hb) * 16 * 17;
+    const float* l0 = kkd + hb * kFdWyKb;
+    const float* l1 = kkd + (2 + hb) * kFdWyKb;
     const float* be0 = beta + (16 * hb) * beta_stride;
     const float* be1 = beta + (16 * (2 + hb)) * beta_stride;
-    float s0[16], s1[16], x0[16], x1[16];
-    #pragma unroll
-    for (int r = 0; r < 16; ++r) { s0[r] = 0.f; s1[r] = 0.f; }
-    #pragma unroll
-    for (int m = 0; m < 16; ++m) {
-      const float e = m == c ? 1.f : 0.f;
-      x0[m] = e - be0[m * beta_stride] * s0[m];
-      x1[m] = e - be1[m * beta_stride] * s1[m];
+    float x0[16], x1[16];
+    if constexpr (kRows) {
       #pragma unroll
-      for (int r = m + 1; r < 16; ++r) {
-        s0[r] = fmaf(l0[r * 17 + m], x0[m], s0[r]);
-        s1[r] = fmaf(l1[r * 17 + m], x1[m], s1[r]);
+      for (int r = 0; r < 16; ++r) {
+        float s0 = 0.f, s1 = 0.f;
+        #pragma unroll
+        for (int t = 0; 4 * t < r; ++t) {
+          const float4 a = *reinterpret_cast<const float4*>(l0 + r * kFdWyKp + 4 * t);
+          const float4 b = *reinterpret_cast<const float4*>(l1 + r * kFdWyKp + 4 * t);
+          const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+          #pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (4 * t + u < r) {
+              s0 = fmaf(av[u], x0[4 * t + u], s0);
+              s1 = fmaf(bv[u], x1[4 * t + u], s1);
+            }
+          }
+        }
+        const float e = r == c ? 1.f : 0.f;
+        x0[r] = e - be0[r * beta_stride] * s0;
+        x1[r] = e - be1[r * beta_stride] * s1;
+      }
+    } else {
+      float s0[16], s1[16];
+      #pragma unroll
+      for (int r = 0; r < 16; ++r) { s0[r] = 0.f; s1[r] = 0.f; }
+      #pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        const float e = m == c ? 1.f : 0.f;
+        x0[m] = e - be0[m * beta_stride] * s0[m];
+        x1[m] = e - be1[m * beta_stride] * s1[m];
+        #pragma unroll
+        for (int r = m + 1; r < 16; ++r) {
+          s0[r] = fmaf(l0[r * kFdWyKp + m], x0[m], s0[r]);
+          s1[r] = fmaf(l1[r * kFdWyKp + m], x1[m], s1[r]);
+        }
       }
     }
     // scratch[b][c][r] = D_b[r][c] (D_b^T)
@@ -292,68 +320,4 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
   }
 }
 """
-WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}
-
-# prepare_fwd's per-CTA phases at warp level (`prepare.WARP_PHASES`): the key tile's K K^T accumulator (wgmma m64n64
-# layout: thread tx holds element 4 j + 2 h + e at row 16 (tx / 32) + 8 h + (tx % 32) / 4, column 8 j + 2 (tx % 4)
-# + e) into the inverse's inputs (diagonal blocks fp32 [4][16][17]; rows 16..63 x cols 0..47 as bf16 hi/lo [48][56]
-# by stmatrix), and the chunk-local cumsum of g (a shuffle scan per value head, straight to global memory).
-WY_PHASES_PRELUDE = r"""
-__device__ __forceinline__ void fd_wy_split(const float* acc, float* kkd, void* lhi_p, void* llo_p, int tx) {
-  const int w = tx >> 5, lane = tx & 31, g = lane >> 2, q = lane & 3;
-  // the diagonal block of warp w's rows: columns 16 w .. 16 w + 15 (n8 blocks j = 2 w, 2 w + 1)
-  float* d = kkd + w * 16 * 17;
-  #pragma unroll
-  for (int ww = 0; ww < 4; ++ww) {             // constant register indices: ww == w selects
-    if (ww == w) {
-      #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          d[(8 * h + g) * 17 + 8 * jj + 2 * q] = acc[4 * (2 * ww + jj) + 2 * h];
-          d[(8 * h + g) * 17 + 8 * jj + 2 * q + 1] = acc[4 * (2 * ww + jj) + 2 * h + 1];
-        }
-      }
-    }
-  }
-  if (w == 0) return;
-  // blocks (w, m < w): n8 blocks j < 2 w, one stmatrix.x4 per pair (j, j + 1) for hi and for lo
-  const int mi = lane >> 3, r = lane & 7;
-  const unsigned row = 16 * (w - 1) + 8 * (mi & 1) + r;
-  const unsigned hi0 = static_cast<unsigned>(__cvta_generic_to_shared(lhi_p)) + row * """ + str(2 * WY_LP) + r""";
-  const unsigned lo0 = static_cast<unsigned>(__cvta_generic_to_shared(llo_p)) + row * """ + str(2 * WY_LP) + r""";
-  #pragma unroll
-  for (int j = 0; j < 6; j += 2) {
-    if (j < 2 * w) {
-      unsigned hi[4], lo[4];
-      #pragma unroll
-      for (int k = 0; k < 4; ++k) fd_wy_split2(acc[4 * j + 2 * k], acc[4 * j + 2 * k + 1], hi[k], lo[k]);
-      const unsigned off = 16u * (j + (mi >> 1));
-      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
-                   :: "r"(hi0 + off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]), "r"(hi[3]) : "memory");
-      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
-                   :: "r"(lo0 + off), "r"(lo[0]), "r"(lo[1]), "r"(lo[2]), "r"(lo[3]) : "memory");
-    }
-  }
-}
-// g_cumsum rows [0, rows) of value heads j = warp, warp + 4, ... < G: g_s[i * g_stride + j] (0 past the end) ->
-// out[i * pitch + j]; lane l holds rows 2 l, 2 l + 1, a shuffle scan over the lanes' pair sums gives the rows before
-__device__ __forceinline__ void fd_wy_cumsum(const float* g_s, int g_stride, int G, float* out, long long pitch,
-                                             int rows, int tx) {
-  const int lane = tx & 31;
-  for (int j = tx >> 5; j < G; j += 4) {
-    const float v0 = g_s[(2 * lane) * g_stride + j], v1 = g_s[(2 * lane + 1) * g_stride + j];
-    float s = v0 + v1;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += t;
-    }
-    float e = __shfl_up_sync(0xffffffffu, s, 1);   // the rows before 2 l
-    e = lane == 0 ? 0.f : e;
-    const float c0 = e + v0;
-    if (2 * lane < rows) out[(2 * lane) * pitch + j] = c0;
-    if (2 * lane + 1 < rows) out[(2 * lane + 1) * pitch + j] = c0 + v1;
-  }
-}
-"""
+WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false, {rows}>", "float16": "fd_wy_inverse_warp<true, {rows}>"}

@@ -42,12 +42,13 @@ NW = THREADS // 32         # value heads inverted at once, one per warp
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
-# The split of K K^T into the inverse's inputs (stmatrix for the hi/lo blocks) and the cumsum of g (a shuffle scan
-# per value head, written straight to g_cumsum) at warp level (`_ptx.WY_PHASES_PRELUDE`) instead of TileLang's
-# element loop and block scan (0.95 + 0.75 us of a 10.5 us CTA: NOTES-gpu.md session 6). Off until measured.
-WARP_PHASES = False
+# Level 0 of the inverse reads the diagonal blocks of K K^T by rows, 16 bytes at a time (left-looking substitution:
+# 36 broadcast loads per block), instead of by columns element by element (right-looking: 120). Same sums in the same
+# order, so the same bits. Nsight Compute (NOTES-gpu.md session 6): L1/shared 87% busy, the element loads being the
+# largest share of its wavefronts.
+L0_ROWS = True
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl", "warp_phases")
+KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl", "l0_rows")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end
 PROF_SLOTS = 64
@@ -90,11 +91,11 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
                        heads_per_cta: int = 0, min_blocks: int = 4, profile: bool = False, pdl: bool = False,
-                       warp_phases: bool = False):
+                       l0_rows: bool = True):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
     more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
     small and a CTA would need more than one round of `NW` heads (`pick_heads_per_cta`). pdl: see
-    `PDL_TRIGGER`; warp_phases: see `WARP_PHASES`. `min_blocks` bounds the registers. profile=True adds the output
+    `PDL_TRIGGER`; l0_rows: see `L0_ROWS`. `min_blocks` bounds the registers. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)
     writes %clock64 at each `PROF_EVENTS` phase end (bench/profile_prepare.py reads it)."""
     # problem config
@@ -109,8 +110,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
     B16 = 16
 
     prof_t = T.Tensor((PROF_SLOTS, len(PROF_EVENTS)), "int64") if profile else None
-    prelude = _ptx.WY_INVERSE_PRELUDE + (_ptx.WY_PHASES_PRELUDE if warp_phases else "") + \
-        (_ptx.PROF_PRELUDE if profile else "")
+    prelude = _ptx.WY_INVERSE_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
 
     def stamper(prof, i_s, i_h, tid):
         """stamp(event) -> the timer call (profile=True) or None (nothing reaches the kernel)."""
@@ -155,9 +155,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             g_shared = T.alloc_shared((BT, G + 1), F32)    # +1: the column scan's strided reads
             beta_shared = T.alloc_shared((BT, GB), F32)
             # K K^T, unscaled (beta scales rows per value head), written once per CTA: the four 16x16 diagonal
-            # blocks in fp32 (a pad column keeps the substitution's column reads off one bank), and rows 16..63 x
+            # blocks in fp32 (16-byte aligned rows of `_ptx.WY_KP` floats, blocks `WY_KB` apart), and rows 16..63 x
             # cols 0..47 (the blocks below the diagonal) as bf16 hi/lo, rows padded for conflict-free ldmatrix
-            kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
+            kkd_shared = T.alloc_shared((4, _ptx.WY_KB), F32)
             l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             # each warp's workspace (level-0 scratch and the output strip): the first NWK in the key tile (dead
@@ -177,25 +177,17 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     stamp("loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
                     stamp("kkt")
-                    if warp_phases:
-                        T.call_extern("handle", "fd_wy_split", kk_frag.data, T.address_of(kkd_shared[0, 0, 0]),
-                                      T.address_of(l_hi[0, 0]), T.address_of(l_lo[0, 0]), tid)
-                        stamp("split")
-                        T.call_extern("handle", "fd_wy_cumsum", T.address_of(g_shared[0, 0]), G + 1, G,
-                                      T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]), T.cast(HV, "int64"),
-                                      eos - t0, tid)
-                    else:
-                        for i, c in T.Parallel(BT, BT):
-                            if i // B16 == c // B16:
-                                kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
-                            if c // B16 < i // B16:
-                                l_hi[i - B16, c] = _hi(kk_frag[i, c])
-                                l_lo[i - B16, c] = _lo(kk_frag[i, c])
-                        stamp("split")
-                        T.cumsum(g_shared[:, 0:G], dim=0)
-                        for i, j in T.Parallel(BT, G):
-                            if t0 + i < eos:
-                                g_cumsum[0, t0 + i, hv0 + j] = g_shared[i, j]
+                    for i, c in T.Parallel(BT, BT):
+                        if i // B16 == c // B16:
+                            kkd_shared[i // B16, (i % B16) * _ptx.WY_KP + c % B16] = kk_frag[i, c]
+                        if c // B16 < i // B16:
+                            l_hi[i - B16, c] = _hi(kk_frag[i, c])
+                            l_lo[i - B16, c] = _lo(kk_frag[i, c])
+                    stamp("split")
+                    T.cumsum(g_shared[:, 0:G], dim=0)
+                    for i, j in T.Parallel(BT, G):
+                        if t0 + i < eos:
+                            g_cumsum[0, t0 + i, hv0 + j] = g_shared[i, j]
                     stamp("cumsum")
                     # warp w inverts value heads w, w + NW, ... (`_ptx.WY_INVERSE_PRELUDE`); every thread makes the
                     # call (no branch around it: no barrier can diverge), a warp without a head returns at once
@@ -204,8 +196,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     for rnd in T.serial(T.ceildiv(G, NW)):
                         j = rnd * NW + warp
                         jc = T.min(j, G - 1)
-                        T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
-                                      T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
+                        T.call_extern("handle", _ptx.WY_INVERSE[k_dtype].format(rows=str(bool(l0_rows)).lower()),
+                                      T.address_of(l_hi[0, 0]), T.address_of(l_lo[0, 0]),
+                                      T.address_of(kkd_shared[0, 0]),
                                       T.address_of(beta_shared[0, jc]), GB, T.address_of(k_shared[0, 0]), NWK,
                                       T.address_of(ws[0, 0]),    # (the key tile when NWK == NW: not read)
                                       T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
@@ -274,7 +267,7 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            MIN_BLOCKS, False, PDL_TRIGGER, WARP_PHASES)
+            MIN_BLOCKS, False, PDL_TRIGGER, L0_ROWS)
 
 
 def _hpc_key(H: int, HV: int, heads_per_cta: int) -> int:

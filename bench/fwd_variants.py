@@ -32,7 +32,6 @@ VARIANTS = {
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {
     "prepare": {},
-    "prepare-l0-columns": {"l0_rows": False},   # level 0 by elements (the build before session 6 call 5)
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

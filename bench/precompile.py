@@ -39,7 +39,6 @@ def tests():
     from test_fwd import CASES as FWD_CASES
     from test_fwd import SWITCH_SETS, VARIANT_CASES
     from test_prepare import CASES as PREP_CASES
-    from test_prepare import KNOB_SETS
 
     from flashdelta.kernels import fused_fwd, prepare
 
@@ -54,9 +53,6 @@ def tests():
     for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                               for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
         _timed(f"prepare_fwd {args[:3]} heads/CTA {args[-len(prepare.KNOBS)]}", lambda: prepare.build_fwd(args))
-    for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype) for c in PREP_CASES):
-        for name, knobs in KNOB_SETS.items():
-            _timed(f"prepare_fwd {args[:3]} {name}", lambda: prepare.build_fwd(args, **knobs))
 
 
 def e2e():

@@ -32,7 +32,7 @@ def _check_fwd_source(src, k_dtype):
     assert not divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
     assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
-    kind = "fd_wy_inverse_warp<true, " if k_dtype == torch.float16 else "fd_wy_inverse_warp<false, "
+    kind = "fd_wy_inverse_warp<true>(" if k_dtype == torch.float16 else "fd_wy_inverse_warp<false>("
     calls = [line for line in src.splitlines() if kind in line]
     assert len(calls) == 1, "one per-warp inverse call, reached by every thread"
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src, "block products: bf16 mma"
@@ -44,7 +44,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER, prepare.L0_ROWS)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
@@ -120,15 +120,3 @@ def test_pick_heads_per_cta():
     for H, HV in ((16, 64), (8, 24), (16, 16), (1, 8), (1, 6)):
         picks = {pick(H, HV, n, num_sms=m) for n in (1, 64, 2048, 1 << 16, 1 << 22) for m in (8, 132)}
         assert picks <= set(prepare.launcher_heads_per_cta(H, HV)), (H, HV)   # what warmup compiles
-
-
-@pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
-def test_prepare_fwd_l0_rows_knob(v):
-    """l0_rows (`prepare.L0_ROWS`): level 0 reads the diagonal blocks by 16-byte rows (left-looking) or by elements
-    (right-looking); both builds compile and pass the checks, and the launcher's takes the constant's."""
-    for rows in (True, False):
-        src = prepare.build_fwd(prepare.builder_args(*v), l0_rows=rows).get_kernel_source()
-        _check_fwd_source(src, v[3])
-        assert f"fd_wy_inverse_warp<{str(v[3] == torch.float16).lower()}, {str(rows).lower()}>(" in src
-    default = prepare.build_fwd(prepare.builder_args(*v)).get_kernel_source()
-    assert f", {str(prepare.L0_ROWS).lower()}>(" in default

@@ -11,7 +11,6 @@ import pytest
 import torch
 from _helpers import Case, assert_close, make_inputs, random_lengths
 
-from flashdelta.kernels import prepare
 from flashdelta.reference import chunked as ref
 
 
@@ -68,23 +67,6 @@ def test_prepare_fwd(case):
     _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
     again = prepare_fwd(k, g, beta, cu)
     assert torch.equal(again[0], g_cumsum) and torch.equal(again[1], A), "run-to-run bits differ"
-
-
-# Development knobs of the prepare builder (prepare.KNOBS) other than the launcher's values, each checked against
-# the reference on every case.
-KNOB_SETS = {"l0-columns": {"l0_rows": not prepare.L0_ROWS}}
-
-
-@pytest.mark.parametrize("knobs", list(KNOB_SETS))
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_prepare_fwd_knob_variant(case, knobs):
-    k, g, beta, cu = _inputs(case)
-    args = prepare.builder_args(case.H, case.HV, case.K, case.dtype, case.beta_dtype)
-    g_cumsum = torch.full((1, k.shape[1], case.HV), float("nan"), device="cuda")
-    A = torch.full((1, k.shape[1], case.HV, 64), float("nan"), dtype=k.dtype, device="cuda")
-    prepare.build_fwd(args, **KNOB_SETS[knobs])(k, g, beta, cu.to(torch.int32), g_cumsum, A)
-    torch.cuda.synchronize()
-    _check_against_reference(case, k, g, beta, cu, g_cumsum, A)
 
 
 def _check_against_reference(case, k, g, beta, cu, g_cumsum, A):

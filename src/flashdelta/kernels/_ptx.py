@@ -96,17 +96,15 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 # from the level-0 scratch (held transposed). Each finished row block of A goes through a 16-row strip
 # (stmatrix.trans of U) to global memory.
 #   lhi, llo: 16-bit [48][WY_LP]: rows 16..63, cols 0..47 of L as bf16 hi/lo (only the blocks i > m are read).
-#   kkd: fp32 L's diagonal blocks, block b row r at kkd + b * WY_KB + r * WY_KP (16-byte aligned rows).  beta + i * beta_stride: beta of row i (0 past the end).
+#   kkd: fp32 [4][16][17]: L's diagonal blocks.  beta + i * beta_stride: beta of row i (0 past the end).
 #   ws_a, ws_b: the warps' workspaces, WY_WS_FLOATS floats each (16-byte aligned): warp w < n_a uses the w-th of
 #   ws_a, the others the (w - n_a)-th of ws_b (the kernel hosts ws_a in the dead key tile). A workspace holds the
 #   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype. tid: the thread's index in the CTA.  a_out: the global A row of the chunk's first token for this value head; rows
 #   are a_pitch elements apart; rows >= `rows` are not written.  active: false = the warp has no head (returns).
 WY_LP = 56
-WY_KP = 20             # diagonal block row pitch (floats): 16-byte aligned rows
-WY_KB = 16 * WY_KP + 4  # block pitch: the two blocks a warp reads at once sit on other banks
 WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
 WY_INVERSE_PRELUDE = r"""
-constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""", kFdWyKp = """ + str(WY_KP) + r""", kFdWyKb = """ + str(WY_KB) + r""";
+constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""";
 __device__ __forceinline__ unsigned fd_wy_bf16x2(float x0, float x1) {
   unsigned r;  // x0 in the low half
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
@@ -184,7 +182,7 @@ __device__ __forceinline__ void fd_wy_store_t(const float (&u)[2][4], unsigned s
                   "r"(fd_wy_out2<kHalf>(u[1][0], u[1][1])), "r"(fd_wy_out2<kHalf>(u[1][2], u[1][3]))
                : "memory");
 }
-template <bool kHalf, bool kRows>
+template <bool kHalf>
 __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void* llo_p, const float* kkd,
                                                    const float* beta, int beta_stride, void* ws_a, int n_a,
                                                    void* ws_b, void* a_out, long long a_pitch, int rows,
@@ -195,51 +193,25 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
                                : static_cast<float*>(ws_b) + (warp - n_a) * kFdWyWs;
   constexpr int SP = 20;                       // scratch row length (floats): conflict-free row writes, column reads
   const int g = lane >> 2, q = lane & 3;
-  // level 0: lane owns column c of D_hb and of D_{2+hb}:  x[r] = (r == c) - beta_r sum_{m<r} L[r][m] x[m], the sum
-  // accumulated in m order either way. kRows: left-looking, row r of L read as 16-byte vectors (36 loads per block,
-  // broadcast to the block's 16 lanes); else right-looking, column m read element by element (120 loads per block).
+  // level 0: lane owns column c of D_hb and of D_{2+hb}; s accumulates sum_{m<r} L[r][m] x[m] (right-looking)
   {
     const int c = lane & 15, hb = lane >> 4;
-    const float* l0 = kkd + hb * kFdWyKb;
-    const float* l1 = kkd + (2 + hb) * kFdWyKb;
+    const float* l0 = kkd + hb * 16 * 17;
+    const float* l1 = kkd + (2 + hb) * 16 * 17;
     const float* be0 = beta + (16 * hb) * beta_stride;
     const float* be1 = beta + (16 * (2 + hb)) * beta_stride;
-    float x0[16], x1[16];
-    if constexpr (kRows) {
+    float s0[16], s1[16], x0[16], x1[16];
+    #pragma unroll
+    for (int r = 0; r < 16; ++r) { s0[r] = 0.f; s1[r] = 0.f; }
+    #pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const float e = m == c ? 1.f : 0.f;
+      x0[m] = e - be0[m * beta_stride] * s0[m];
+      x1[m] = e - be1[m * beta_stride] * s1[m];
       #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        float s0 = 0.f, s1 = 0.f;
-        #pragma unroll
-        for (int t = 0; 4 * t < r; ++t) {
-          const float4 a = *reinterpret_cast<const float4*>(l0 + r * kFdWyKp + 4 * t);
-          const float4 b = *reinterpret_cast<const float4*>(l1 + r * kFdWyKp + 4 * t);
-          const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-          #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            if (4 * t + u < r) {
-              s0 = fmaf(av[u], x0[4 * t + u], s0);
-              s1 = fmaf(bv[u], x1[4 * t + u], s1);
-            }
-          }
-        }
-        const float e = r == c ? 1.f : 0.f;
-        x0[r] = e - be0[r * beta_stride] * s0;
-        x1[r] = e - be1[r * beta_stride] * s1;
-      }
-    } else {
-      float s0[16], s1[16];
-      #pragma unroll
-      for (int r = 0; r < 16; ++r) { s0[r] = 0.f; s1[r] = 0.f; }
-      #pragma unroll
-      for (int m = 0; m < 16; ++m) {
-        const float e = m == c ? 1.f : 0.f;
-        x0[m] = e - be0[m * beta_stride] * s0[m];
-        x1[m] = e - be1[m * beta_stride] * s1[m];
-        #pragma unroll
-        for (int r = m + 1; r < 16; ++r) {
-          s0[r] = fmaf(l0[r * kFdWyKp + m], x0[m], s0[r]);
-          s1[r] = fmaf(l1[r * kFdWyKp + m], x1[m], s1[r]);
-        }
+      for (int r = m + 1; r < 16; ++r) {
+        s0[r] = fmaf(l0[r * 17 + m], x0[m], s0[r]);
+        s1[r] = fmaf(l1[r * 17 + m], x1[m], s1[r]);
       }
     }
     // scratch[b][c][r] = D_b[r][c] (D_b^T)
@@ -320,4 +292,4 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
   }
 }
 """
-WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false, {rows}>", "float16": "fd_wy_inverse_warp<true, {rows}>"}
+WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}

@@ -42,13 +42,8 @@ NW = THREADS // 32         # value heads inverted at once, one per warp
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
-# Level 0 of the inverse reads the diagonal blocks of K K^T by rows, 16 bytes at a time (left-looking substitution:
-# 36 broadcast loads per block), instead of by columns element by element (right-looking: 120). Same sums in the same
-# order, so the same bits. Nsight Compute (NOTES-gpu.md session 6): L1/shared 87% busy, the element loads being the
-# largest share of its wavefronts.
-L0_ROWS = True
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl", "l0_rows")
+KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end
 PROF_SLOTS = 64
@@ -90,12 +85,11 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       heads_per_cta: int = 0, min_blocks: int = 4, profile: bool = False, pdl: bool = False,
-                       l0_rows: bool = True):
+                       heads_per_cta: int = 0, min_blocks: int = 4, profile: bool = False, pdl: bool = False):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
     more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
     small and a CTA would need more than one round of `NW` heads (`pick_heads_per_cta`). pdl: see
-    `PDL_TRIGGER`; l0_rows: see `L0_ROWS`. `min_blocks` bounds the registers. profile=True adds the output
+    `PDL_TRIGGER`. `min_blocks` bounds the registers. profile=True adds the output
     ``prof [PROF_SLOTS, len(PROF_EVENTS)]`` int64: thread 0 of the CTAs (chunk slot < PROF_SLOTS, key head 0)
     writes %clock64 at each `PROF_EVENTS` phase end (bench/profile_prepare.py reads it)."""
     # problem config
@@ -155,9 +149,9 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             g_shared = T.alloc_shared((BT, G + 1), F32)    # +1: the column scan's strided reads
             beta_shared = T.alloc_shared((BT, GB), F32)
             # K K^T, unscaled (beta scales rows per value head), written once per CTA: the four 16x16 diagonal
-            # blocks in fp32 (16-byte aligned rows of `_ptx.WY_KP` floats, blocks `WY_KB` apart), and rows 16..63 x
+            # blocks in fp32 (a pad column keeps the substitution's column reads off one bank), and rows 16..63 x
             # cols 0..47 (the blocks below the diagonal) as bf16 hi/lo, rows padded for conflict-free ldmatrix
-            kkd_shared = T.alloc_shared((4, _ptx.WY_KB), F32)
+            kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
             l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             # each warp's workspace (level-0 scratch and the output strip): the first NWK in the key tile (dead
@@ -179,7 +173,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     stamp("kkt")
                     for i, c in T.Parallel(BT, BT):
                         if i // B16 == c // B16:
-                            kkd_shared[i // B16, (i % B16) * _ptx.WY_KP + c % B16] = kk_frag[i, c]
+                            kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
                         if c // B16 < i // B16:
                             l_hi[i - B16, c] = _hi(kk_frag[i, c])
                             l_lo[i - B16, c] = _lo(kk_frag[i, c])
@@ -196,9 +190,8 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     for rnd in T.serial(T.ceildiv(G, NW)):
                         j = rnd * NW + warp
                         jc = T.min(j, G - 1)
-                        T.call_extern("handle", _ptx.WY_INVERSE[k_dtype].format(rows=str(bool(l0_rows)).lower()),
-                                      T.address_of(l_hi[0, 0]), T.address_of(l_lo[0, 0]),
-                                      T.address_of(kkd_shared[0, 0]),
+                        T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
+                                      T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
                                       T.address_of(beta_shared[0, jc]), GB, T.address_of(k_shared[0, 0]), NWK,
                                       T.address_of(ws[0, 0]),    # (the key tile when NWK == NW: not read)
                                       T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
@@ -267,7 +260,7 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            MIN_BLOCKS, False, PDL_TRIGGER, L0_ROWS)
+            MIN_BLOCKS, False, PDL_TRIGGER)
 
 
 def _hpc_key(H: int, HV: int, heads_per_cta: int) -> int:

@@ -61,8 +61,9 @@ def main():
     ap.add_argument("--heads", default=f"{H}/{HV}", help="H/HV of the inputs (K = V = 128)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time the variants (fused, and prepare ones among themselves) in this many interleaved rounds (A B C A B C ...), report the "
-                         "median of the rounds' medians (clock and thermal drift then hit every variant alike)")
+                    help="time the variants (fused, and prepare ones among themselves) in this many interleaved "
+                         "rounds (A B C A B C ...), report the median of the rounds' medians (clock and thermal "
+                         "drift then hit every variant alike)")
     ap.add_argument("--prepare", action="store_true", help="also time prepare_fwd")
     ap.add_argument("--prepare-variants", default=",".join(PREPARE_VARIANTS), help="with --prepare: which builds")
     ap.add_argument("--pair", action="store_true",

@@ -99,8 +99,11 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 #   kkd: fp32 [4][16][17]: L's diagonal blocks.  beta + i * beta_stride: beta of row i (0 past the end).
 #   ws_a, ws_b: the warps' workspaces, WY_WS_FLOATS floats each (16-byte aligned): warp w < n_a uses the w-th of
 #   ws_a, the others the (w - n_a)-th of ws_b (the kernel hosts ws_a in the dead key tile). A workspace holds the
-#   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype. tid: the thread's index in the CTA.  a_out: the global A row of the chunk's first token for this value head; rows
-#   are a_pitch elements apart; rows >= `rows` are not written.  active: false = the warp has no head (returns).
+#   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype.
+#   a_out: the global A row of the chunk's first token for this value head; rows are a_pitch elements apart; rows
+#   >= `rows` are not written.  active: false = the warp has no head (it returns).  tid: the thread's CTA index.
+# Measured (NOTES-gpu.md session 6): prepare 0.31 -> 0.19 ms at 16/64 1x32k against the CTA-wide levels it
+# replaced; reading level 0's blocks by 16-byte rows instead of elements made no difference.
 WY_LP = 56
 WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
 WY_INVERSE_PRELUDE = r"""

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # One GPU call for the open experiments (NOTES-gpu.md), logs under $OUT. Timing first (the kernels come from the
 # carried TileLang cache), then the GPU test tier (four files in parallel; test_e2e_gpu compiles its kernels there):
-#   1. the fused kernel (the launcher's build and the VARIANTS given) and prepare_fwd at 16/64
-#      1x8192 and 1x32k
-#      (bench/fwd_variants.py), and on short rows (2/8, 4/16, 8/32;
-#      1x2048, 1x4096, 4x2048) prepare + fused in one CUDA graph with prepare's value heads per CTA as the launcher
-#      picks them and with all of a key head's (--pair);
+#   1. the fused kernel (the launcher's build and the VARIANTS given) and prepare_fwd at 16/64, 1x8192 and 1x32k
+#      by default (bench/fwd_variants.py); unless PAIRS=0, on short rows (2/8, 4/16, 8/32; 1x2048, 1x4096, 4x2048)
+#      prepare + fused in one CUDA graph with prepare's value heads per CTA as the launcher picks them and with all
+#      of a key head's (--pair);
 #   2. the per-role timeline of the launcher's kernel (bench/profile_fwd.py) and prepare's phases (profile_prepare.py);
 #   3. the GPU test tier.
 # Build the TileLang cache on the CPU machine first and carry it packed (bench/tlcache.sh pack), then:

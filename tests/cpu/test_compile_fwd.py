@@ -93,5 +93,3 @@ def test_pdl_sync_switch():
     assert "cu_seqlens[" not in head and "h0[" not in head and "cu_seqlens[" in body
     default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert ("cudaGridDependencySynchronize" in default) == fused_fwd.PDL_SYNC
-
-

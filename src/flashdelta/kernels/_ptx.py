@@ -31,7 +31,8 @@ __device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
 # t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
 # are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
 # o_s rows are `ld` elements apart (padded: the transposed writes are conflict-free).
-STAGE_O_PRELUDE = r"""
+# fd_pack2<kHalf>(lo, hi): two fp32 values as one packed bf16x2 (fp16x2) register, `lo` in the low half.
+PACK2_PRELUDE = r"""
 template <bool kHalf>
 __device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
   unsigned r;  // (the prelude precedes TileLang's includes: PTX, not cuda_bf16.h)
@@ -42,6 +43,8 @@ __device__ __forceinline__ unsigned fd_pack2(float lo, float hi) {
   }
   return r;
 }
+"""
+STAGE_O_PRELUDE = PACK2_PRELUDE[:-1] + r"""
 template <bool kHalf>
 __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, int off, int ld, int tx) {
   const int lane = tx & 31, m = lane >> 3;
@@ -106,27 +109,12 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 # replaced; reading level 0's blocks by 16-byte rows instead of elements made no difference.
 WY_LP = 56
 WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
-WY_INVERSE_PRELUDE = r"""
+WY_INVERSE_PRELUDE = PACK2_PRELUDE + r"""
 constexpr int kFdWyWs = """ + str(WY_WS_FLOATS) + r""";
-__device__ __forceinline__ unsigned fd_wy_bf16x2(float x0, float x1) {
-  unsigned r;  // x0 in the low half
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-  return r;
-}
-template <bool kHalf>
-__device__ __forceinline__ unsigned fd_wy_out2(float x0, float x1) {
-  unsigned r;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-  }
-  return r;
-}
 // hi/lo bf16 pairs of (x0, x1): x = hi + lo to ~16 significant bits
 __device__ __forceinline__ void fd_wy_split2(float x0, float x1, unsigned& hi, unsigned& lo) {
-  hi = fd_wy_bf16x2(x0, x1);
-  lo = fd_wy_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+  hi = fd_pack2<false>(x0, x1);
+  lo = fd_pack2<false>(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
 __device__ __forceinline__ void fd_wy_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -181,8 +169,8 @@ __device__ __forceinline__ void fd_wy_store_t(const float (&u)[2][4], unsigned s
   const int mi = lane >> 3;
   const unsigned addr = strip + 2u * ((8 * (mi >> 1) + (lane & 7)) * 72 + 16 * j + 8 * (mi & 1));
   asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
-               :: "r"(addr), "r"(fd_wy_out2<kHalf>(u[0][0], u[0][1])), "r"(fd_wy_out2<kHalf>(u[0][2], u[0][3])),
-                  "r"(fd_wy_out2<kHalf>(u[1][0], u[1][1])), "r"(fd_wy_out2<kHalf>(u[1][2], u[1][3]))
+               :: "r"(addr), "r"(fd_pack2<kHalf>(u[0][0], u[0][1])), "r"(fd_pack2<kHalf>(u[0][2], u[0][3])),
+                  "r"(fd_pack2<kHalf>(u[1][0], u[1][1])), "r"(fd_pack2<kHalf>(u[1][2], u[1][3]))
                : "memory");
 }
 template <bool kHalf>

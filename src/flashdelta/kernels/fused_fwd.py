@@ -140,15 +140,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
-    def release_slot(c, empty, pout_empty, mark):
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
-
-    @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
-        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
-        release_slot(c, empty, pout_empty, mark)
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
         mark(c, "s.o_empty")
         stage_o(c % 2, o_f, o_s, tx)

@@ -39,6 +39,7 @@ def tests():
     from test_fwd import CASES as FWD_CASES
     from test_fwd import SWITCH_SETS, VARIANT_CASES
     from test_prepare import CASES as PREP_CASES
+    from test_prepare import KNOB_CASES
 
     from flashdelta.kernels import fused_fwd, prepare
 
@@ -53,6 +54,9 @@ def tests():
     for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                               for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
         _timed(f"prepare_fwd {args[:3]} heads/CTA {args[-len(prepare.KNOBS)]}", lambda: prepare.build_fwd(args))
+    for c, knobs in KNOB_CASES:     # test_prepare_fwd_knobs
+        args = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)
+        _timed(f"prepare_fwd {args[:3]} {knobs}", lambda: prepare.build_fwd(args, **knobs))
 
 
 def e2e():

@@ -44,7 +44,7 @@ def _check_fwd_source(src, k_dtype):
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER)
+    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER, prepare.TMA_KEYS)
     src = prepare.build_fwd(args).get_kernel_source()
     _check_fwd_source(src, v[3])
     assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src

@@ -90,6 +90,28 @@ def test_prepare_fwd_heads_per_cta(case):
         prepare_fwd(k, g, beta, cu, heads_per_cta=case.HV // case.H + 1)
 
 
+# (case, knobs): development builds that must reproduce the launcher's bits (the arithmetic is the same; only the
+# key tile's load path or the register budget differs). (3,): a tensor shorter than one TMA box.
+KNOB_CASES = [(c, kn) for c in (CASES[1], CASES[5], CASES[7], CASES[8], CASES[9], CASES[11],
+                                 PrepCase("tiny-3", (3,), H=2, HV=2))
+              for kn in ({"tma": True}, {"min_blocks": 5}, {"min_blocks": 6, "tma": True})]
+
+
+@pytest.mark.parametrize("case,knobs", KNOB_CASES, ids=lambda v: str(v) if isinstance(v, PrepCase) else
+                         "-".join(f"{a}{b}" for a, b in v.items()))
+def test_prepare_fwd_knobs(case, knobs):
+    from flashdelta.kernels import _tl, prepare
+    k, g, beta, cu = _inputs(case)
+    want = prepare.prepare_fwd(k, g, beta, cu)
+    H, HV = k.shape[2], g.shape[-1]
+    g_cumsum = _tl.alloc(want[0].shape, torch.float32, k.device)
+    A = _tl.alloc(want[1].shape, k.dtype, k.device)
+    kernel = prepare.build_fwd(prepare.builder_args(H, HV, k.shape[-1], k.dtype, beta.dtype), **knobs)
+    kernel(k, g, beta, cu.to(torch.int32), g_cumsum, A)
+    torch.cuda.synchronize()
+    assert torch.equal(g_cumsum, want[0]) and torch.equal(A, want[1]), f"{knobs}: bits differ from the launcher's"
+
+
 def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
     from flashdelta.kernels.prepare import prepare_fwd
     case = CASES[1]

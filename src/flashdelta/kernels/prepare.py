@@ -163,13 +163,14 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             NWS = min(G, NW)                # warps with a head
             NWK = min(NWS, BT * K // (2 * _ptx.WY_WS_FLOATS))
             ws = T.alloc_shared((NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else k_shared
-            k_bar = T.alloc_barrier([1]) if tma else None
+            k_bar = T.alloc_barrier([32]) if tma else None     # warp 0's arrivals + the TMA bytes
 
             if t0 < eos:
                 if seq < n_seqs:
                     if tma:
-                        # one thread issues the key tile's TMA (all 64 rows; rows past T read as zero)
-                        if tid == 0:
+                        # warp 0 issues the key tile's TMA (one elected lane; all 64 rows, rows past T read as zero)
+                        # and arrives; a single thread cannot: the elect is a full-warp instruction (call 2 hung)
+                        if tid < 32:
                             T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_shared, barrier=k_bar[0])
                             T.barrier_arrive(k_bar[0])
                     else:

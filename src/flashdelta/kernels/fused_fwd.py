@@ -100,7 +100,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
     assert not mcast or NV % 2 == 0, "mcast pairs the V slices of a head"
-    NCL = 2 if mcast else 1     # CTAs whose state warpgroups release each ring slot
+    # arrivals that release a ring slot: the state WG's 128 threads, plus (mcast) one per warp of the peer's
+    EMPTY_COUNT = 128 + (4 if mcast else 0)
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
@@ -148,8 +149,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
 
     @T.macro
     def release_slot(bars, st, peer):
-        # the state WG is done with part of ring slot st: one arrival per thread here and (mcast) on the peer's
-        # copy, whose producer multicasts into this CTA's slot too
+        # the state WG is done with part of ring slot st: one arrival per thread here and (mcast) one per warp on the
+        # peer's copy, whose producer multicasts into this CTA's slot too
         T.barrier_arrive(bars[st])
         if mcast:
             T.call_extern("handle", "fd_arrive_peer", T.address_of(bars[st]), peer)
@@ -287,8 +288,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_s = T.alloc_shared((2, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
-            empty = T.alloc_barrier([128 * NCL] * NS)     # state WG(s) release the slot (q/k part if early_release)
-            empty_va = T.alloc_barrier([128 * NCL] * NS)  # state WG(s) release v/A/g/beta of a slot (early_release)
+            empty = T.alloc_barrier([EMPTY_COUNT] * NS)     # state WG(s) release the slot (q/k part if early_release)
+            empty_va = T.alloc_barrier([EMPTY_COUNT] * NS)  # state WG(s) release v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)

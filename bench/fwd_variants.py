@@ -28,16 +28,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
-    "mcast": {"mcast": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {
     "prepare": {},
-    "tma": {"tma": True},
     "mb5": {"min_blocks": 5},
     "mb6": {"min_blocks": 6},
-    "tma-mb5": {"tma": True, "min_blocks": 5},
-    "tma-mb6": {"tma": True, "min_blocks": 6},
 }
 H, HV, K, V = 16, 64, 128, 128
 SCALE = K ** -0.5

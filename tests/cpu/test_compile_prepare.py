@@ -1,8 +1,8 @@
 """The `prepare` builders compile for sm_90a without a GPU (TileLang's kernel cache keeps reruns fast).
 
 Checked in the emitted CUDA: K K^T runs on wgmma in k's dtype, then every warp calls the per-warp inverse (no
-thread-dependent branch around it) whose block products are bf16 mma.sync, the shared memory fits `MIN_BLOCKS`
-CTAs per SM, and the grid has no y/z dimension that depends on the number of sequences.
+thread-dependent branch around it) whose block products are bf16 mma.sync, the shared memory fits the CTAs per
+SM the build is sized for (`prepare.min_blocks_for`), and the grid has no y/z dimension that depends on the number of sequences.
 """
 import re
 
@@ -20,6 +20,7 @@ FWD_VARIANTS = [
     (4, 4, 64, torch.float16, torch.bfloat16),       # no grouping, K = 64
     (2, 4, 256, torch.bfloat16, torch.float16),      # K = 256
     (2, 6, 128, torch.bfloat16, torch.float32),      # GVA 3 (27B TP2 / TP1: 8/24, 16/48)
+    (16, 16, 128, torch.bfloat16, torch.float32),    # one value head per CTA: 5 CTAs per SM
 ]
 _WGMMA_TYPE = {torch.bfloat16: "kBFloat16", torch.float16: "kFloat16"}
 
@@ -28,7 +29,7 @@ def _ids(v):
     return f"H{v[0]}-HV{v[1]}-K{v[2]}-{str(v[3])[6:]}-beta_{str(v[4])[6:]}"
 
 
-def _check_fwd_source(src, k_dtype):
+def _check_fwd_source(src, k_dtype, min_blocks=prepare.MIN_BLOCKS):
     assert not divergent_syncs(src), "a __syncthreads() under a thread-dependent branch"
     wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
     assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma), "K K^T must run on wgmma"
@@ -36,18 +37,19 @@ def _check_fwd_source(src, k_dtype):
     calls = [line for line in src.splitlines() if kind in line]
     assert len(calls) == 1, "one per-warp inverse call, reached by every thread"
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src, "block products: bf16 mma"
-    # 4 CTAs per SM: 228 KB less 1 KB per CTA; the last buffer (beta's, <= 2 KB) starts below 52 KB
-    assert _dyn_smem_end(src) < 52 * 1024
+    # min_blocks CTAs per SM: 228 KB less 1 KB per CTA each; the last buffer (beta's, <= 2 KB) starts 2 KB below
+    assert _dyn_smem_end(src) < (228 // min_blocks - 1 - 2) * 1024
     assert "blockIdx.z" not in src
 
 
 @pytest.mark.parametrize("v", FWD_VARIANTS, ids=_ids)
 def test_prepare_fwd_compiles_sm90(v):
     args = prepare.builder_args(*v)
-    assert args[-len(prepare.KNOBS):] == (0, prepare.MIN_BLOCKS, False, prepare.PDL_TRIGGER, prepare.TMA_KEYS)
+    min_blocks = prepare.MIN_BLOCKS_ONE_HEAD if v[0] == v[1] else prepare.MIN_BLOCKS
+    assert args[-len(prepare.KNOBS):] == (0, min_blocks, False, prepare.PDL_TRIGGER)
     src = prepare.build_fwd(args).get_kernel_source()
-    _check_fwd_source(src, v[3])
-    assert f"__launch_bounds__(128, {prepare.MIN_BLOCKS})" in src
+    _check_fwd_source(src, v[3], min_blocks)
+    assert f"__launch_bounds__(128, {min_blocks})" in src
 
 
 def _dyn_smem_end(src):

@@ -183,7 +183,7 @@ def test_offsets_past_2_31_elements():
 # kernel and is held to the same reference checks (ragged edges + padding, fp16/no h0/v-first, GVA4, V=256).
 VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SWITCH_SETS = {"plain-order": {"overlap": False}, "no-early-release": {"early_release": not fused_fwd.EARLY_RELEASE},
-               "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "mcast": {"mcast": not fused_fwd.MCAST}}
+               "pdl": {"pdl": not fused_fwd.PDL_SYNC}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -194,6 +194,3 @@ def test_chunk_fwd_variant(case, switches):
                                         x["initial_state"], x["cu_seqlens"], scale=x["scale"],
                                         state_v_first=x["state_v_first"], **SWITCH_SETS[switches])
     _check(case, x, o, ht)
-    if switches == "mcast":   # only where q, k and A come from changes: the launcher's bits
-        o_l, ht_l = _run(x)
-        assert torch.equal(o, o_l) and torch.equal(ht, ht_l), "mcast build differs from the launcher's bits"

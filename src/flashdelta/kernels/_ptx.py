@@ -64,25 +64,6 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 }
 """
 STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
-# mcast (2-CTA cluster, fused_fwd.MCAST): arrivals on the peer CTA's copy of an mbarrier, and the cluster barrier.
-CLUSTER_PRELUDE = r"""
-// one arrival per warp on the peer CTA's copy of this CTA's mbarrier `bar`, by lane 0 once the warp gets here.
-// Default semantics (release, CTA scope), as CUTLASS's cluster barrier: the callers only order their own completed
-// shared-memory reads (wgmma operands) before the peer's TMA overwrites them. (A per-thread release.cluster arrive,
-// the first build, ran the chunk step 1.78x slower: session 7, call 3.)
-__device__ __forceinline__ void fd_arrive_peer(void* bar, unsigned peer) {
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) {
-    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar)), r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(r) : "memory");
-  }
-}
-// every thread of both CTAs: past it, the peer's barriers are initialised (kernel start) or no longer used (end)
-__device__ __forceinline__ void fd_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-"""
 
 # Always prepended: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and

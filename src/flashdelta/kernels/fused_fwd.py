@@ -63,14 +63,9 @@ EARLY_RELEASE = True
 # copy) is then the one waited for. TileLang's tvm_ffi launcher sets the programmatic attribute for kernels with a
 # pdl_sync (bench/probe_pdl.py, NOTES-gpu.md session 4).
 PDL_SYNC = False
-# The two V slices of a (sequence, value head) run as a 2-CTA cluster and load q, k and A once: rank 0's TMA
-# multicasts them into both CTAs' ring slots (v, g, beta stay per CTA). Each state warpgroup releases a slot to both
-# producers (the empty barriers count both CTAs' arrivals), so a slot is refilled only once both have finished with
-# it. Halves the q/k/A traffic from L2 (40 of the 48 KB a CTA loads per chunk). Off until measured on a GPU.
-MCAST = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "mcast")
+SWITCHES = ("overlap", "early_release", "profile", "pdl")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -85,10 +80,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, mcast: bool = False):
+                     profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; mcast: see `MCAST` (needs an even number of V slices). profile=True adds the output ``prof``
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof``
     (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -99,9 +94,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     NS = NUM_STAGES
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
-    assert not mcast or NV % 2 == 0, "mcast pairs the V slices of a head"
-    # arrivals that release a ring slot: the state WG's 128 threads, plus (mcast) one per warp of the peer's
-    EMPTY_COUNT = 128 + (4 if mcast else 0)
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
@@ -148,17 +140,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
-    def release_slot(bars, st, peer):
-        # the state WG is done with part of ring slot st: one arrival per thread here and (mcast) one per warp on the
-        # peer's copy, whose producer multicasts into this CTA's slot too
-        T.barrier_arrive(bars[st])
-        if mcast:
-            T.call_extern("handle", "fd_arrive_peer", T.address_of(bars[st]), peer)
-
-    @T.macro
-    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer):
+    def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
-        release_slot(empty, c % NS, peer)
+        T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % 2], ((c // 2) % 2) ^ 1)
@@ -262,16 +246,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.CLUSTER_PRELUDE if mcast else "") + \
-            (_ptx.PROF_PRELUDE if profile else "")
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude,
-                      cluster_dims=2 if mcast else None) as bx:
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
             v0 = i_v * BV
-            peer = 1 - bx % 2               # mcast: the other CTA of the cluster (consecutive CTAs pair up)
 
             # ---- shared memory: input ring, prep outputs, o staging ----
             q_s = T.alloc_shared((NS, BT, K), dtype)
@@ -288,8 +269,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_s = T.alloc_shared((2, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
-            empty = T.alloc_barrier([EMPTY_COUNT] * NS)     # state WG(s) release the slot (q/k part if early_release)
-            empty_va = T.alloc_barrier([EMPTY_COUNT] * NS)  # state WG(s) release v/A/g/beta of a slot (early_release)
+            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
+            empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
@@ -299,8 +280,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             if pdl:
                 T.pdl_sync()
             mark = marker(profile, prof, bx, tx)
-            if mcast:
-                T.call_extern("handle", "fd_cluster_sync")   # the peer's barriers are initialised
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
@@ -360,7 +339,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             T.wait_wgmma(0)
                             mark(0, "s.vd_done")
                             if early_release:
-                                release_slot(empty_va, 0, peer)
+                                T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
                                 pb1 = (c + 1) % 2
@@ -378,18 +357,18 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 mark(c, "s.tail")
                                 issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
                                 mark(c + 1, "s.vd_done")
                                 if early_release:
-                                    release_slot(empty_va, st1, peer)
+                                    T.barrier_arrive(empty_va[st1])
                             mark(NT - 1, "s.fin_begin")
                             finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
                                          pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(NT - 1, "s.tail")
-                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                     else:
                         for c in T.serial(NT):
                             st = c % NS
@@ -407,7 +386,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             T.wait_wgmma(1)
                             mark(c, "s.vd_done")
                             if early_release:
-                                release_slot(empty_va, st, peer)
+                                T.barrier_arrive(empty_va[st])
                             for i, j in T.Parallel(BV, BT):
                                 vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
                                 vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
@@ -423,7 +402,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "s.fin_end")
                             T.wait_wgmma(0)
                             mark(c, "s.tail")
-                            release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx, peer)
+                            release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                     if store_final_state:
                         if state_v_first:
                             for i, j in T.Parallel(BV, K):
@@ -463,17 +442,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                            # (mcast: rank 0 multicasts A, q and k into both CTAs; rank 1 only expects the bytes)
-                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st],
-                                       cluster_mask=3 if mcast else None)
+                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             mark(c, "l.va_issued")
                             if early_release:
                                 T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
-                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st],
-                                       cluster_mask=3 if mcast else None)
-                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st],
-                                       cluster_mask=3 if mcast else None)
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
                             T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
@@ -504,9 +479,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                             T.barrier_arrive(full[st])
-            if mcast:
-                # no CTA leaves while its peer may still arrive on its barriers
-                T.call_extern("handle", "fd_cluster_sync")
 
     return chunk_fwd_kernel
 
@@ -517,7 +489,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, MCAST)
+            PDL_SYNC)
 
 
 def build(args: tuple, **switches):

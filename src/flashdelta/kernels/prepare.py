@@ -37,16 +37,17 @@ BF16 = "bfloat16"
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 SUPPORTED_K = (64, 128, 256)
 MIN_BLOCKS = 4             # CTAs per SM the registers and shared memory allow (106 registers, 48.6 KB at K = 128)
+# With one value head per CTA the inverse needs no workspace beyond the dead key tile (32 KB at K = 128), so the
+# registers decide: 5 CTAs per SM at 96 (no spills). Measured at 16/16 (session 7): 4096x8 0.1047 -> 0.1003 ms,
+# 1024x8 0.0376 -> 0.0374; 6 per SM (80 registers, spills) 0.1014.
+MIN_BLOCKS_ONE_HEAD = 5
 NW = THREADS // 32         # value heads inverted at once, one per warp
 # Let the next kernel on the stream launch as soon as every CTA of this one has started (programmatic dependent
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
-# The key tile by one TMA (rows past the sequence end zeroed in shared memory afterwards) instead of per-thread loads
-# and stores through the LSU (Nsight Compute, session 7: the LSU data pipe is 86% busy at 16/64). Off until measured.
-TMA_KEYS = False
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
-KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl", "tma")
+KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
 # clock64/globaltimer pairs at the CTA's start and end
 PROF_SLOTS = 64
@@ -88,8 +89,7 @@ def _find_chunk(cu_seqlens, i_s, n_seqs, n_tok, tid, BT: int, chunk):
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
 def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                       heads_per_cta: int = 0, min_blocks: int = 4, profile: bool = False, pdl: bool = False,
-                       tma: bool = False):
+                       heads_per_cta: int = 0, min_blocks: int = 4, profile: bool = False, pdl: bool = False):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's). Fewer give
     more, shorter CTAs (each loads the key tile and forms K K^T itself): the launcher takes them when the grid is
     small and a CTA would need more than one round of `NW` heads (`pick_heads_per_cta`). pdl: see
@@ -163,31 +163,15 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
             NWS = min(G, NW)                # warps with a head
             NWK = min(NWS, BT * K // (2 * _ptx.WY_WS_FLOATS))
             ws = T.alloc_shared((NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else k_shared
-            k_bar = T.alloc_barrier([32]) if tma else None     # warp 0's arrivals + the TMA bytes
 
             if t0 < eos:
                 if seq < n_seqs:
-                    if tma:
-                        # warp 0 issues the key tile's TMA (one elected lane; all 64 rows, rows past T read as zero)
-                        # and arrives; a single thread cannot: the elect is a full-warp instruction (call 2 hung)
-                        if tid < 32:
-                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_shared, barrier=k_bar[0])
-                            T.barrier_arrive(k_bar[0])
-                    else:
-                        for i, d in T.Parallel(BT, K):
-                            k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
+                    for i, d in T.Parallel(BT, K):
+                        k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
                     for i, j in T.Parallel(BT, G):
                         g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, hv0 + j], 0)
                         beta_shared[i, j] = T.if_then_else(
                             t0 + i < eos, T.cast(beta[0, t0 + i, hv0 + j], F32), 0)
-                    if tma:
-                        T.barrier_wait(k_bar[0], 0)
-                        if eos - t0 < BT:
-                            # rows past the sequence end hold the next sequence's keys: zero them for the GEMM
-                            for i, d in T.Parallel(BT, K):
-                                if t0 + i >= eos:
-                                    k_shared[i, d] = 0
-                            T.fence_proxy_async()
                     # [BT, K] @ [K, BT] -> [BT, BT]
                     stamp("loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
@@ -281,7 +265,12 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
     """The `_build_prepare_fwd` arguments (its compile-cache key) for one call; shared with `warmup`.
     heads_per_cta 0 (or HV / H): every value head of a key head in one CTA."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            MIN_BLOCKS, False, PDL_TRIGGER, TMA_KEYS)
+            min_blocks_for(H, HV, heads_per_cta), False, PDL_TRIGGER)
+
+
+def min_blocks_for(H: int, HV: int, heads_per_cta: int = 0) -> int:
+    """The builder's `min_blocks` (CTAs per SM it sizes the registers for) for a heads-per-CTA split."""
+    return MIN_BLOCKS_ONE_HEAD if (heads_per_cta or HV // H) == 1 else MIN_BLOCKS
 
 
 def _hpc_key(H: int, HV: int, heads_per_cta: int) -> int:

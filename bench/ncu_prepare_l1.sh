@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Which part of the L1/shared-memory unit paces prepare_fwd (development tool, NOTES-gpu.md session 6: L1/TEX
-# throughput 87% of peak at 16/64 1x32k). One profiled prepare_fwd launch; the breakdown of l1tex__throughput into
-# its sub-units plus shared/global traffic by direction, as a raw CSV under $OUT and a short table on stdout.
+# Which part of the L1/shared-memory unit paces prepare_fwd (development tool; NOTES-gpu.md session 7 has its
+# first run: the LSU data pipe, 86% busy at 16/64 1x32k). One profiled prepare_fwd launch; the breakdown of
+# l1tex__throughput into its sub-units plus shared/global traffic by direction, as a raw CSV under $OUT and a
+# short table on stdout.
 #   source .device/bootstrap.sh; source bench/tlcache.sh unpack; bash bench/ncu_prepare_l1.sh [TOKENS] [H/HV]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,6 +27,8 @@ if len(rows) < 3:
 head, units = rows[0], rows[1]
 for row in rows[2:]:
     for name, unit, value in zip(head, units, row):
-        if name.startswith(("l1tex", "smsp", "gpu__")):
-            print(f"{name:<72} {value:>16} {unit}")
+        # totals and the percent-of-peak averages; the per-SM min/max and the summed percentages are left out
+        total = name.endswith(".sum") and not name.endswith("pct_of_peak_sustained_elapsed.sum")
+        if name.startswith(("l1tex", "smsp", "gpu__")) and (total or name.endswith("avg.pct_of_peak_sustained_elapsed")):
+            print(f"{name:<80} {value:>16} {unit}")
 PY

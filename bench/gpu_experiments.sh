@@ -16,20 +16,21 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=/tmp/gpu_experiments; mkdir -p $L
 t0=$(date +%s)
 quiet() { grep -v "TileLang.*INFO"; }
+# Unbuffered Python (-u): a step killed by its timeout still leaves what it printed (session 7, call 2).
 # env: TOKENS, VARIANTS, PREP_VARIANTS (fwd_variants.py's lists), ROUNDS (interleaved timing rounds), TESTS (test
 # files), PROFILE=0 skips the timelines
-timeout 120 python3 bench/fwd_variants.py --rounds "${ROUNDS:-1}" --tokens "${TOKENS:-8192,32768}" --prepare \
+timeout 120 python3 -u bench/fwd_variants.py --rounds "${ROUNDS:-1}" --tokens "${TOKENS:-8192,32768}" --prepare \
   --prepare-variants "${PREP_VARIANTS:-prepare}" --variants "${VARIANTS:-default}" \
   2>&1 | quiet > "$L/exp_variants.log"
 # prepare's heads per CTA on short rows: the launcher's pick vs all of a key head's (prepare + fused in one graph)
 for hv in $([ "${PAIRS:-1}" = 1 ] && echo 2/8 4/16 8/32); do   # PAIRS=0 skips them
-  timeout 40 python3 bench/fwd_variants.py --heads $hv --tokens 2048,4096,2048x4 --pair --variants default --reps 50 \
+  timeout 40 python3 -u bench/fwd_variants.py --heads $hv --tokens 2048,4096,2048x4 --pair --variants default --reps 50 \
     2>&1 | quiet > "$L/exp_pairs_${hv/\//v}.log"
 done
 echo "A/B done at $(( $(date +%s) - t0 )) s"
 if [ "${PROFILE:-1}" = 1 ]; then
-  OUT=$L timeout 60 python3 bench/profile_fwd.py --no-plain 2>&1 | quiet > "$L/exp_profile.log"
-  OUT=$L timeout 40 python3 bench/profile_prepare.py 2>&1 | quiet > "$L/exp_profile_prepare.log"
+  OUT=$L timeout 60 python3 -u bench/profile_fwd.py --no-plain 2>&1 | quiet > "$L/exp_profile.log"
+  OUT=$L timeout 40 python3 -u bench/profile_prepare.py 2>&1 | quiet > "$L/exp_profile_prepare.log"
 fi
 echo "timeline done at $(( $(date +%s) - t0 )) s"
 for f in ${TESTS:-prepare fwd e2e_gpu l2norm}; do

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import chunk_gdn_fwd
+from .autograd import forward
 
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -181,8 +181,8 @@ def chunk_gated_delta_rule(
 
     need_bwd = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    o, final_state = chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                   use_qk_l2norm_in_kernel, state_v_first, need_bwd)
+    o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                             use_qk_l2norm_in_kernel, state_v_first, need_bwd)
     return o, (final_state if output_final_state else None)
 
 

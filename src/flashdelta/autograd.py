@@ -1,4 +1,5 @@
-"""The operator as two `torch.library` custom ops with registered fake kernels and autograd.
+"""The operator as two `torch.library` custom ops with registered fake kernels and autograd (`forward` calls the
+forward's body directly where neither autograd nor torch.compile is involved).
 
 `flashdelta::chunk_gdn_fwd` returns (o, final_state); `flashdelta::chunk_gdn_bwd` returns every input
 gradient. Both take user-shaped tensors (dense `[B, T, ...]` or varlen `[1, T, ...]` + cu_seqlens) and turn
@@ -86,10 +87,24 @@ def _backends(q: Tensor, v: Tensor, need_bwd: bool) -> tuple:
     return fwd, bwd
 
 
-@torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
-def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
-                  cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-                  need_bwd: bool) -> tuple[Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+            cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
+            need_bwd: bool) -> tuple[Tensor, Tensor]:
+    """(o, final_state) through the custom op where autograd, torch.compile or a tensor subclass (fake tensors,
+    DTensor, ...) needs it; otherwise (plain tensors, no gradient, eager) the same function called directly. The
+    custom op's eager dispatch imports torch._dynamo on its first call (1.4 s on the CPU machine, ~4 s on the GPU
+    machine, NOTES-gpu.md session 5) and adds per-call Python overhead; inference does not need either."""
+    tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
+    plain = all(x is None or type(x) is Tensor for x in tensors)
+    if need_bwd or not plain or torch.compiler.is_compiling():
+        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
+    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
+
+
+def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
+                   need_bwd: bool) -> tuple[Tensor, Tensor]:
+    """The forward's body (`chunk_gdn_fwd` and the direct path of `forward`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
@@ -108,6 +123,14 @@ def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
     o, ht = kset.chunk_fwd(qf, kf, vf, g_cumsum, bf, A, h0, cu, scale=scale, state_v_first=state_v_first)
     return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
+
+
+@torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
+def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
+                  need_bwd: bool) -> tuple[Tensor, Tensor]:
+    return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
+                          need_bwd)
 
 
 @chunk_gdn_fwd.register_fake

@@ -38,6 +38,28 @@ def test_import_touches_no_gpu_and_no_tilelang():
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr
 
 
+def test_eager_inference_skips_the_custom_op_dispatch():
+    """Plain tensors, no gradient, eager: the forward's body runs without the custom op, whose first eager call
+    imports torch._dynamo (seconds of a serving process's cold start); same bits as the op. With a gradient the
+    op (and its autograd) runs."""
+    code = ("import sys, torch, flashdelta; x = [torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), "
+            "torch.randn(1, 8, 2, 8), -torch.rand(1, 8, 2), torch.rand(1, 8, 2)]; "
+            "flashdelta.chunk_gated_delta_rule(*x, output_final_state=True); "
+            "assert 'torch._dynamo' not in sys.modules, 'custom op dispatched'; print('direct')")
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "direct" in out.stdout, out.stderr
+    x = _good(varlen=True, N=2)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    o_op, ht_op = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu_seqlens"], 16 ** -0.5,
+                                False, False, False)
+    assert torch.equal(o, o_op) and torch.equal(ht, ht_op)
+    q = x["q"].clone().requires_grad_(True)
+    o, _ = chunk_gated_delta_rule(**dict(x, q=q))
+    assert "chunk_gdn_fwd" in o.grad_fn.name()
+
+
 # (id, keyword overrides applied to a valid varlen-free call, exception type, message regex)
 BAD_INPUTS = [
     ("q-not-tensor", lambda x: x.update(q=[1.0]), TypeError, r"q must be a torch.Tensor"),

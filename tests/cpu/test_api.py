@@ -28,27 +28,28 @@ def _good(B=1, T=8, H=2, HV=4, K=16, V=8, N=None, varlen=False):
     return x
 
 
-def test_import_touches_no_gpu_and_no_tilelang():
-    code = ("import sys, torch, flashdelta; "
-            "assert 'tilelang' not in sys.modules, 'tilelang imported'; "
-            "assert 'flashdelta.kernels' not in sys.modules; "
-            "assert not torch.cuda.is_initialized(); print('clean')")
+def _fresh_process(code: str, done: str) -> None:
+    """Run `code` in a fresh Python with this checkout's flashdelta; it must exit 0 having printed `done`."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+    assert out.returncode == 0 and done in out.stdout, out.stderr
+
+
+def test_import_touches_no_gpu_and_no_tilelang():
+    _fresh_process("import sys, torch, flashdelta; "
+                   "assert 'tilelang' not in sys.modules, 'tilelang imported'; "
+                   "assert 'flashdelta.kernels' not in sys.modules; "
+                   "assert not torch.cuda.is_initialized(); print('clean')", "clean")
 
 
 def test_eager_inference_skips_the_custom_op_dispatch():
     """Plain tensors, no gradient, eager: the forward's body runs without the custom op, whose first eager call
     imports torch._dynamo (seconds of a serving process's cold start); same bits as the op. With a gradient the
     op (and its autograd) runs."""
-    code = ("import sys, torch, flashdelta; x = [torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), "
-            "torch.randn(1, 8, 2, 8), -torch.rand(1, 8, 2), torch.rand(1, 8, 2)]; "
-            "flashdelta.chunk_gated_delta_rule(*x, output_final_state=True); "
-            "assert 'torch._dynamo' not in sys.modules, 'custom op dispatched'; print('direct')")
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and "direct" in out.stdout, out.stderr
+    _fresh_process("import sys, torch, flashdelta; x = [torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), "
+                   "torch.randn(1, 8, 2, 8), -torch.rand(1, 8, 2), torch.rand(1, 8, 2)]; "
+                   "flashdelta.chunk_gated_delta_rule(*x, output_final_state=True); "
+                   "assert 'torch._dynamo' not in sys.modules, 'custom op dispatched'; print('direct')", "direct")
     x = _good(varlen=True, N=2)
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True)

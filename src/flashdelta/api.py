@@ -12,8 +12,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .autograd import forward
+from .dispatch import UnsupportedError
 
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -179,6 +181,11 @@ def chunk_gated_delta_rule(
             raise ValueError(f"initial_state must be {layout}={want} (N={N} sequences), "
                              f"got {tuple(initial_state.shape)}")
 
+    if forward_ad._current_level >= 0 and any(
+            x is not None and forward_ad.unpack_dual(x).tangent is not None for x in (q, k, v, g, beta, initial_state)):
+        # neither the kernels nor the custom op carry tangents: a jvp would silently come back without one
+        raise UnsupportedError("chunk_gated_delta_rule: forward-mode AD (dual tensors, jvp) is not supported; "
+                               "use reverse mode (backward / torch.autograd.grad)")
     need_bwd = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import dispatch
 from .portable import l2norm_bwd, l2norm_fwd
@@ -95,8 +96,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_st
     custom op's eager dispatch imports torch._dynamo on its first call (1.4 s on the CPU machine, ~4 s on the GPU
     machine, NOTES-gpu.md session 5) and adds per-call Python overhead; inference does not need either."""
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
-    plain = all(x is None or type(x) is Tensor for x in tensors)
-    if need_bwd or not plain or torch.compiler.is_compiling():
+    # (functorch's vmap/grad wrappers are of type Tensor too; the op runs them through torch's batching fallback)
+    if need_bwd or torch.compiler.is_compiling() or not all(
+            x is None or (type(x) is Tensor and not is_functorch_wrapped_tensor(x)) for x in tensors):
         return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
     return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
 

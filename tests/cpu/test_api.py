@@ -61,6 +61,18 @@ def test_eager_inference_skips_the_custom_op_dispatch():
     assert "chunk_gdn_fwd" in o.grad_fn.name()
 
 
+def test_functorch_and_forward_ad():
+    """vmap (functorch-wrapped tensors, which are of type Tensor) goes through the custom op and torch's batching
+    fallback: per-sample results. Forward-mode AD raises instead of returning an output without a tangent."""
+    x = _good()
+    qs = torch.stack([x["q"], x["q"] * 0.5, -x["q"]])
+    rest = {n: t for n, t in x.items() if n != "q"}
+    o = torch.vmap(lambda q: chunk_gated_delta_rule(q, **rest)[0])(qs)
+    assert torch.equal(o, torch.stack([chunk_gated_delta_rule(q, **rest)[0] for q in qs]))
+    with pytest.raises(UnsupportedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: chunk_gated_delta_rule(q, **rest)[0], (x["q"],), (torch.ones_like(x["q"]),))
+
+
 # (id, keyword overrides applied to a valid varlen-free call, exception type, message regex)
 BAD_INPUTS = [
     ("q-not-tensor", lambda x: x.update(q=[1.0]), TypeError, r"q must be a torch.Tensor"),

@@ -2,7 +2,8 @@
 
 Checked in the emitted CUDA: K K^T runs on wgmma in k's dtype, then every warp calls the per-warp inverse (no
 thread-dependent branch around it) whose block products are bf16 mma.sync, the shared memory fits the CTAs per
-SM the build is sized for (`prepare.min_blocks_for`), and the grid has no y/z dimension that depends on the number of sequences.
+SM the build is sized for (`prepare.min_blocks_for`), and the grid has no y/z dimension that depends on the
+number of sequences.
 """
 import re
 

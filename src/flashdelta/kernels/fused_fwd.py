@@ -83,8 +83,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                      profile: bool = False, pdl: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`. profile=True adds the output ``prof``
-    (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
+    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
+    uninstrumented one.
     """
     # problem config
     G = HV // H

@@ -198,7 +198,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                         T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
                                       T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
                                       T.address_of(beta_shared[0, jc]), GB, T.address_of(k_shared[0, 0]), NWK,
-                                      T.address_of(ws[0, 0]),    # (the key tile when NWK == NW: not read)
+                                      T.address_of(ws[0, 0]),    # (the key tile when NWK == NWS: not read)
                                       T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
                                       T.cast(HV * BT, "int64"), eos - t0, j < G, tid)
                     stamp("inverse")

@@ -80,6 +80,7 @@ def test_ctas_walk_work_items():
     b, b + n_ctas, ... ; the padding tail is zero-filled by one producer warp, not by the whole CTA."""
     src = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
     assert "int n_ctas)" in src
+    assert "fd_prefetch_rows_l2(" in src        # the next item's initial state is prefetched to L2
     assert src.count("(it * n_ctas)") >= 3 or src.count("it * n_ctas") >= 3
     assert fused_fwd.grid_ctas(3, 4, 128, "cpu", 2) == 2
     with pytest.raises(ValueError, match="n_ctas"):

@@ -103,6 +103,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
+    H0_BYTES = 4 if h0_dtype == "float32" else 2
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
@@ -145,6 +146,21 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     def stage_o(pb, o_f, o_s, tx):
         # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread)
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
+
+    @T.macro
+    def prefetch_next_h0(h0, nxt, tx):
+        # L2 prefetch of work item `nxt`'s initial-state slice (if it is a sequence of this CTA), issued before the
+        # current item's last chunk: the slice's load at the item switch then comes from L2
+        n_n = nxt // (HV * NV)
+        if n_n < N_:
+            hv_n = (nxt // NV) % HV
+            v0_n = (nxt % NV) * BV
+            if state_v_first:
+                T.call_extern("handle", "fd_prefetch_rows_l2", T.address_of(h0[T.cast(n_n, "int64"), hv_n, v0_n, 0]),
+                              BV, K * H0_BYTES, K * H0_BYTES, tx)
+            else:
+                T.call_extern("handle", "fd_prefetch_rows_l2", T.address_of(h0[T.cast(n_n, "int64"), hv_n, 0, v0_n]),
+                              K, V * H0_BYTES, BV * H0_BYTES, tx)
 
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
@@ -256,7 +272,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         n_ctas: T.int32,
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + _ptx.PREFETCH_L2_PRELUDE + \
+            (_ptx.PROF_PRELUDE if profile else "")
         with T.Kernel(n_ctas, threads=THREADS, prelude=prelude) as bx:
             # Work items (sequence, value head, V slice), sequence slowest; item (N, ., .) zero-fills o on the
             # padding tail. CTA bx takes items bx, bx + n_ctas, ... (the launcher passes min(items, SMs): one CTA
@@ -370,6 +387,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                     mark(c + 1, "s.vd_done")
                                     if early_release:
                                         T.barrier_arrive(empty_va[st1])
+                                if has_initial_state:
+                                    prefetch_next_h0(h0, item + n_ctas, tx)
                                 cl = cb + NT - 1
                                 mark(cl, "s.fin_begin")
                                 finish_chunk(cl % NS, cl % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s,

@@ -148,6 +148,24 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
+    def store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, half, lane, mark):
+        # One of the two store warps: rows [32 half, 32 half + 32) of each chunk's o_s, those < ln (the next
+        # sequence or the padding tail follows), by the 16-byte PTX row loop. One warp alone needed ~1.5-1.7 us for
+        # a chunk's 64 rows, about the whole chunk period (NOTES-gpu.md session 8, call 5).
+        for i_c in T.serial(NT):
+            c = cb + i_c
+            pb = c % 2
+            t0 = bos + i_c * BT
+            rows = T.max(T.min(eos - t0 - 32 * half, 32), 0)
+            mark(c, "w.begin")
+            T.barrier_wait(o_full[pb], (c // 2) % 2)
+            mark(c, "w.o_full")
+            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0 + 32 * half, "int64"), i_hv, v0]),
+                          T.address_of(o_s[pb, 32 * half, 0]), rows, HV * V * 2, O_LD * 2, lane)
+            T.barrier_arrive(o_empty[pb])
+            mark(c, "w.stored")
+
+    @T.macro
     def prefetch_next_h0(h0, nxt, tx):
         # L2 prefetch of work item `nxt`'s initial-state slice (if it is a sequence of this CTA), issued before the
         # current item's last chunk: the slice's load at the item switch then comes from L2
@@ -302,7 +320,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
-            o_empty = T.alloc_barrier([32] * 2)
+            o_empty = T.alloc_barrier([64] * 2)      # the two store warps
 
             tx = T.get_thread_binding()
             if pdl:
@@ -501,21 +519,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_arrive(full[st])
                                 mark(c, "l.issued")
                         elif tx < 320:
-                            # store warp: o rows < ln (the next sequence or the padding tail follows), 16-byte PTX
-                            # row loop
-                            for i_c in T.serial(NT):
-                                c = cb + i_c
-                                pb = c % 2
-                                t0 = bos + i_c * BT
-                                ln = T.min(eos - t0, BT)
-                                mark(c, "w.begin")
-                                T.barrier_wait(o_full[pb], (c // 2) % 2)
-                                mark(c, "w.o_full")
-                                T.call_extern("handle", "fd_store_rows",
-                                              T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
-                                              T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tx - 288)
-                                T.barrier_arrive(o_empty[pb])
-                                mark(c, "w.stored")
+                            # store warp: o rows [0, 32) of each chunk
+                            store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, 0, tx - 288, mark)
                         elif tx < 352:
                             # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
                             # minimum); rows past the sequence end get g[eos - 1] and beta = 0
@@ -532,6 +537,9 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                     g_s[st, t] = g[0, tt, i_hv]
                                     b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                                 T.barrier_arrive(full[st])
+                        else:
+                            # fourth warp: o rows [32, 64) of each chunk
+                            store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, 1, tx - 352, mark)
                         cb = cb + NT
                     elif tx >= 352:
                         # fourth warp: the padding tail [cu_seqlens[N], T) of o is zero for this (head, V slice)

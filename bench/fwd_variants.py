@@ -24,11 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-# name -> builder switches; {} is the launcher's kernel. "n_ctas": "items" launches one CTA per work item (the
-# grid before session 8) instead of the launcher's min(items, SMs).
+# name -> builder switches; {} is the launcher's kernel
 VARIANTS = {
     "default": {},
-    "per-item": {"n_ctas": "items"},
     "no-early-release": {"early_release": False},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
@@ -42,18 +40,10 @@ SCALE = K ** -0.5
 
 
 def builder_flags(ff, name):
-    """(builder args, builder switches) of a variant (its launch config, "n_ctas", is `grid_of`'s)."""
     import torch
 
     args = ff.builder_args(H, HV, K, V, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
-    return args, {key: val for key, val in VARIANTS[name].items() if key != "n_ctas"}
-
-
-def grid_of(ff, name, n_seqs, device):
-    """The variant's CTA count for n_seqs sequences (the kernel's n_ctas argument)."""
-    want = VARIANTS.get(name, {}).get("n_ctas")
-    items = (n_seqs + 1) * HV * (V // ff.BLOCK_V)
-    return ff.grid_ctas(n_seqs, HV, V, device, items if want == "items" else want)
+    return args, VARIANTS[name]
 
 
 def pair_builds(prepare, spec):
@@ -165,7 +155,7 @@ def main():
 
                 def pair():
                     kp(k, g, beta, cu, gc_out, A_out)
-                    kf(q, k, v, gc_out, beta, A_out, h0, cu, o, ht, grid_of(ff, "default", n, q.device))
+                    kf(q, k, v, gc_out, beta, A_out, h0, cu, o, ht)
 
                 pair()
                 torch.cuda.synchronize()
@@ -183,11 +173,10 @@ def main():
             a, flags = builder_flags(ff, name)
             kernel = ff.build(a, **flags)
             o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
-            n_ctas = grid_of(ff, name, n, q.device)
-            kernel(q, k, v, gc, beta, A, h0, cu, o, ht, n_ctas)
+            kernel(q, k, v, gc, beta, A, h0, cu, o, ht)
             torch.cuda.synchronize()
             diffs[name] = ((o.float() - o_ref.float()).abs().max().item(), (ht - ht_ref).abs().max().item())
-            runs[name] = functools.partial(kernel, q, k, v, gc, beta, A, h0, cu, o, ht, n_ctas)
+            runs[name] = functools.partial(kernel, q, k, v, gc, beta, A, h0, cu, o, ht)
         for _ in range(args.rounds):
             for name in names:
                 times[name].append(cuda_time(runs[name], args.reps))

@@ -7,8 +7,6 @@ If the GPU lowers its clock under the heavier load (power or thermal limits), th
 each head config (one 32k-token sequence: 2 HV CTAs) this runs the launcher's fused kernel back to back for
 `--seconds` while `nvidia-smi` samples clocks, power and throttle reasons every 50 ms, and prints per config: the
 kernel's median time, its period per chunk, and the samples' median SM clock, power and throttle reasons.
---zero v,h0 (any of q, k, v, A, h0) reruns each config with those inputs zeroed: the same instructions on operands
-that switch fewer bits. If energy per chunk sets the clock, the 128-CTA period drops and the 64-CTA one does not.
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ def main():
     ap.add_argument("--heads", default="16/64,8/32,2/8")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--zero", default="", help="comma-separated inputs to also run zeroed (q, k, v, A, h0)")
     args = ap.parse_args()
 
     import torch
@@ -42,21 +39,13 @@ def main():
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     windows, results = [], []
-    zero = tuple(x for x in args.zero.split(",") if x)
-    runs = [(spec, ()) for spec in args.heads.split(",")] + ([(spec, zero) for spec in args.heads.split(",")]
-                                                             if zero else [])
-    for spec, zeroed in runs:
+    for spec in args.heads.split(","):
         H, HV = (int(x) for x in spec.split("/"))
         q, k, v, gc, beta, A, h0, cu = make_inputs(args.tokens, H, HV)
-        inputs = dict(q=q, k=k, v=v, A=A, h0=h0)
-        for name in zeroed:
-            inputs[name].zero_()
-        spec = spec + (f" 0:{'+'.join(zeroed)}" if zeroed else "")
         kern = ff.build(ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, 128 ** -0.5, True, False))
         o = torch.empty_like(v)
         ht = torch.empty_like(h0)
-        n_ctas = ff.grid_ctas(1, HV, 128, q.device)
-        kern(q, k, v, gc, beta, A, h0, cu, o, ht, n_ctas)
+        kern(q, k, v, gc, beta, A, h0, cu, o, ht)
         torch.cuda.synchronize()
         time.sleep(1.0)                                # let the clock settle between configs
         t_start, times = time.time(), []
@@ -64,7 +53,7 @@ def main():
             evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
             for a, b in evs:
                 a.record()
-                kern(q, k, v, gc, beta, A, h0, cu, o, ht, n_ctas)
+                kern(q, k, v, gc, beta, A, h0, cu, o, ht)
                 b.record()
             torch.cuda.synchronize()
             times += [a.elapsed_time(b) for a, b in evs]
@@ -83,15 +72,15 @@ def main():
             continue
     nt = (args.tokens + 63) // 64
     print(f"\n{torch.cuda.get_device_name()} | fused forward, 1x{args.tokens}, back-to-back launches")
-    print(f"{'heads':>14} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}  throttle")
+    print(f"{'heads':>6} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}  throttle")
     for (spec, ctas, ms, _), (_, t0, t1) in zip(results, windows):
         sel = [s for s in samples if t0 - 1 <= s[0] <= t1]
         if not sel:
-            print(f"{spec:>14} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f}  (no nvidia-smi samples)")
+            print(f"{spec:>6} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f}  (no nvidia-smi samples)")
             continue
         med = [statistics.median(s[i] for s in sel) for i in (1, 2, 3, 4)]
         reasons = sorted({s[5] for s in sel})
-        print(f"{spec:>14} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f} {med[0]:>7.0f} {med[1]:>8.0f} {med[2]:>6.0f} "
+        print(f"{spec:>6} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f} {med[0]:>7.0f} {med[1]:>8.0f} {med[2]:>6.0f} "
               f"{med[3]:>4.0f}  {' '.join(reasons)}")
 
 

@@ -75,18 +75,6 @@ def test_l2norm_compiles(K, dtype):
     assert not divergent_syncs(src)
 
 
-def test_ctas_walk_work_items():
-    """The grid is an argument (n_ctas, at most one CTA per SM from the launcher) and every role walks the items
-    b, b + n_ctas, ... ; the padding tail is zero-filled by one producer warp, not by the whole CTA."""
-    src = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    assert "int n_ctas)" in src
-    assert "fd_prefetch_rows_l2(" in src        # the next item's initial state is prefetched to L2
-    assert src.count("(it * n_ctas)") >= 3 or src.count("it * n_ctas") >= 3
-    assert fused_fwd.grid_ctas(3, 4, 128, "cpu", 2) == 2
-    with pytest.raises(ValueError, match="n_ctas"):
-        fused_fwd.grid_ctas(3, 4, 128, "cpu", 4 * 4 * 2 + 1)
-
-
 def test_state_warpgroup_forms_w_s0():
     """W S0 is formed in the state warpgroup (Y = S0^T K^T, then Vd^T += Y Ae^T): the prep warpgroup stores the
     64 x 64 Ae; no 64 x K Xn buffer exists. The store warp copies o rows with the PTX row loop."""

@@ -179,33 +179,6 @@ def test_offsets_past_2_31_elements():
     assert torch.isfinite(o_big[:, :T0]).all()
 
 
-# Fewer CTAs than work items: each CTA walks several (sequence, value head, V slice) items back to back, its ring
-# slots and barrier phases running on across them, and the fourth producer warp zero-fills the padding tail. An
-# item's arithmetic does not depend on which CTA runs it, so every CTA count must give the launcher's bits.
-CTA_CASES = [CASES[0], CASES[1], CASES[3], CASES[6], CASES[7]]
-
-
-@pytest.mark.parametrize("n_ctas", [1, 3, 7])
-@pytest.mark.parametrize("case", CTA_CASES, ids=str)
-def test_chunk_fwd_ctas(case, n_ctas):
-    x = _inputs(case)
-    o_ref, h_ref = _run(x)
-    o, ht = fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
-                                        x["initial_state"], x["cu_seqlens"], scale=x["scale"],
-                                        state_v_first=x["state_v_first"], n_ctas=n_ctas)
-    assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)
-
-
-def test_chunk_fwd_ctas_checked():
-    """The CTA count is checked: 0 or more CTAs than work items is a ValueError naming n_ctas."""
-    x = _inputs(CASES[3])
-    items = x["cu_seqlens"].numel() * x["v"].shape[2] * (x["v"].shape[3] // fused_fwd.BLOCK_V)
-    for bad in (0, items + 1):
-        with pytest.raises(ValueError, match="n_ctas"):
-            fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
-                                        x["initial_state"], x["cu_seqlens"], scale=x["scale"], n_ctas=bad)
-
-
 # The builder's development switches (fused_fwd.SWITCHES) other than the launcher's: each build is a complete
 # kernel and is held to the same reference checks (ragged edges + padding, fp16/no h0/v-first, GVA4, V=256).
 VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]

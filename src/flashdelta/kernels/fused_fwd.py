@@ -25,25 +25,18 @@ S0^T Xn^T: one GEMM fewer on the chain, a 64 x 128 x 64 GEMM more in the prep; m
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
-  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop;
-  warp 3 zero-fills the padding tail of o.
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop.
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
 shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
-Work items (sequence, value head, V slice) are flattened, sequence slowest, so >65,535 sequences work and items
-that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T) (the
-producer's fourth warp). The grid has min(items, SMs) CTAs; CTA b walks items b, b + grid, ... with its ring slots
-and barrier phases counting every chunk of the CTA, so the next item's loads and prep run under the last chunks of
-the current one instead of behind a CTA exit and launch (~4-7 us per item on short sequences, NOTES-gpu.md
-session 8).
+CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
+that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
 Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
 
 Development tool: `chunk_fwd_profiled` runs a separately compiled variant (builder `profile=True`) in which one thread
 per role records %clock64 at the events in `PROF_EVENTS`; bench/profile_fwd.py prints the per-role timeline.
 """
-
-import functools
 
 import tilelang
 import tilelang.language as T
@@ -103,7 +96,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
-    H0_BYTES = 4 if h0_dtype == "float32" else 2
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
@@ -146,39 +138,6 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     def stage_o(pb, o_f, o_s, tx):
         # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread)
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
-
-    @T.macro
-    def store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, half, lane, mark):
-        # One of the two store warps: rows [32 half, 32 half + 32) of each chunk's o_s, those < ln (the next
-        # sequence or the padding tail follows), by the 16-byte PTX row loop. One warp alone needed ~1.5-1.7 us for
-        # a chunk's 64 rows, about the whole chunk period (NOTES-gpu.md session 8, call 5).
-        for i_c in T.serial(NT):
-            c = cb + i_c
-            pb = c % 2
-            t0 = bos + i_c * BT
-            rows = T.max(T.min(eos - t0 - 32 * half, 32), 0)
-            mark(c, "w.begin")
-            T.barrier_wait(o_full[pb], (c // 2) % 2)
-            mark(c, "w.o_full")
-            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0 + 32 * half, "int64"), i_hv, v0]),
-                          T.address_of(o_s[pb, 32 * half, 0]), rows, HV * V * 2, O_LD * 2, lane)
-            T.barrier_arrive(o_empty[pb])
-            mark(c, "w.stored")
-
-    @T.macro
-    def prefetch_next_h0(h0, nxt, tx):
-        # L2 prefetch of work item `nxt`'s initial-state slice (if it is a sequence of this CTA), issued before the
-        # current item's last chunk: the slice's load at the item switch then comes from L2
-        n_n = nxt // (HV * NV)
-        if n_n < N_:
-            hv_n = (nxt // NV) % HV
-            v0_n = (nxt % NV) * BV
-            if state_v_first:
-                T.call_extern("handle", "fd_prefetch_rows_l2", T.address_of(h0[T.cast(n_n, "int64"), hv_n, v0_n, 0]),
-                              BV, K * H0_BYTES, K * H0_BYTES, tx)
-            else:
-                T.call_extern("handle", "fd_prefetch_rows_l2", T.address_of(h0[T.cast(n_n, "int64"), hv_n, 0, v0_n]),
-                              K, V * H0_BYTES, BV * H0_BYTES, tx)
 
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
@@ -231,15 +190,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, cb, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
                   r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
-        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars. cb: the
-        # CTA's chunks before this work item's (ring slots and barrier phases count every chunk of the CTA).
-        for i_c in T.serial(NT):
-            c = cb + i_c
+        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
+        for c in T.serial(NT):
             st = c % NS
             pb = c % 2
-            ln = T.min(eos - (bos + i_c * BT), BT)
+            ln = T.min(eos - (bos + c * BT), BT)
             mark(c, "p.begin")
             wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
             mark(c, "p.full")
@@ -287,18 +244,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         o: T.Tensor((1, T_, HV, V), dtype),
         ht: T.Tensor(state_shape, acc),
-        n_ctas: T.int32,
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + _ptx.PREFETCH_L2_PRELUDE + \
-            (_ptx.PROF_PRELUDE if profile else "")
-        with T.Kernel(n_ctas, threads=THREADS, prelude=prelude) as bx:
-            # Work items (sequence, value head, V slice), sequence slowest; item (N, ., .) zero-fills o on the
-            # padding tail. CTA bx takes items bx, bx + n_ctas, ... (the launcher passes min(items, SMs): one CTA
-            # per SM walks several items back to back, the next item's loads and prep running under the last
-            # chunks of the current one).
-            NI = (N_ + 1) * (HV * NV)
-            n_it = T.ceildiv(NI - bx, n_ctas)
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
+        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
+            i_n = bx // (HV * NV)
+            i_hv = (bx // NV) % HV
+            i_v = bx % NV
+            i_h = i_hv // G
+            v0 = i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
             q_s = T.alloc_shared((NS, BT, K), dtype)
@@ -320,238 +274,211 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
-            o_empty = T.alloc_barrier([64] * 2)      # the two store warps
+            o_empty = T.alloc_barrier([32] * 2)
 
             tx = T.get_thread_binding()
             if pdl:
                 T.pdl_sync()
             mark = marker(profile, prof, bx, tx)
-            # every role walks the same items in the same order; cb counts the CTA's chunks before the current
-            # item, so ring slots and barrier phases continue across items (chunk c of the CTA: slot c % NS)
-            cb = T.alloc_var("int32", init=0)
 
-            if tx < 128:
-                # ================= state warpgroup =================
-                T.set_max_nreg(240, 1)
-                s_f = T.alloc_fragment((BV, K), acc)        # S^T
-                sb_f = T.alloc_fragment((BV, K), dtype)
-                vd_f = T.alloc_fragment((BV, BT), acc)      # Vd^T
-                vdr_f = T.alloc_fragment((BV, BT), dtype)
-                vdb_f = T.alloc_fragment((BV, BT), dtype)
-                o_f = T.alloc_fragment((BV, BT), acc)       # O^T
-                y_f = T.alloc_fragment((BV, BT), acc)       # Y = S0^T K^T
-                yb_f = T.alloc_fragment((BV, BT), dtype)
-                mark.cal("m.clk0")
-                for it in T.serial(n_it):
-                    item = bx + it * n_ctas
-                    i_n = item // (HV * NV)
-                    i_hv = (item // NV) % HV
-                    v0 = (item % NV) * BV
-                    if i_n < N_:
-                        bos = T.alloc_var("int32", init=cu_seqlens[i_n])
-                        eos = T.alloc_var("int32", init=cu_seqlens[i_n + 1])
-                        NT = T.alloc_var("int32", init=T.ceildiv(eos - bos, BT))
-                        n64 = T.cast(i_n, "int64")
-                        if profile:
-                            # an ordinary TIR store, so TileLang passes `prof` as a writable pointer
-                            if (tx == 0) & (bx < PROF_CTAS) & (it == 0):
-                                prof[bx, 0, PROF_INDEX["m.nt"]] = T.cast(NT, "int64")
-                        if has_initial_state:
-                            if state_v_first:
-                                for i, j in T.Parallel(BV, K):
-                                    s_f[i, j] = T.cast(h0[n64, i_hv, v0 + i, j], acc)
-                            else:
-                                for i, j in T.Parallel(BV, K):
-                                    s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
-                        else:
-                            T.clear(s_f)
-                        if overlap:
-                            # Software-pipelined: chunk c+1's V^T Ag^T runs under chunk c's tail, and chunk c's o
-                            # staging under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge.
-                            if NT > 0:
-                                c0 = cb
-                                T.barrier_wait(full[c0 % NS], (c0 // NS) % 2)
-                                mark(c0, "s.full")
-                                T.barrier_wait(prep_done[c0 % 2], (c0 // 2) % 2)
-                                mark(c0, "s.prep")
-                                T.wgmma_gemm(v_s[c0 % NS, :, :], a_s[c0 % NS, :, :], vd_f, transpose_A=True,
-                                             transpose_B=True, clear_accum=True)
-                                issue_ws(c0 % NS, c0 % 2, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
-                                mark(c0, "s.vd_issued")
-                                T.wait_wgmma(0)
-                                mark(c0, "s.vd_done")
-                                if early_release:
-                                    T.barrier_arrive(empty_va[c0 % NS])
-                                for i_c in T.serial(NT - 1):
-                                    c = cb + i_c
-                                    st1 = (c + 1) % NS
-                                    pb1 = (c + 1) % 2
-                                    mark(c, "s.fin_begin")
-                                    finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s,
-                                                 r_s, dq_s, mark.later(c, "s.fin_o1"))
-                                    mark(c, "s.fin_end")
-                                    T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
-                                    mark(c + 1, "s.full")
-                                    T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
-                                    mark(c + 1, "s.prep")
-                                    T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
-                                                 transpose_B=True, clear_accum=True)
-                                    T.wait_wgmma(1)
-                                    mark(c, "s.tail")
-                                    issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
-                                    mark(c + 1, "s.vd_issued")
-                                    release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
-                                    T.wait_wgmma(0)
-                                    mark(c + 1, "s.vd_done")
-                                    if early_release:
-                                        T.barrier_arrive(empty_va[st1])
-                                if has_initial_state:
-                                    prefetch_next_h0(h0, item + n_ctas, tx)
-                                cl = cb + NT - 1
-                                mark(cl, "s.fin_begin")
-                                finish_chunk(cl % NS, cl % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s,
-                                             r_s, dq_s, mark.later(cl, "s.fin_o1"))
-                                mark(cl, "s.fin_end")
-                                T.wait_wgmma(0)
-                                mark(cl, "s.tail")
-                                release_and_store_o(cl, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
-                        else:
-                            for i_c in T.serial(NT):
-                                c = cb + i_c
-                                st = c % NS
-                                pb = c % 2
-                                T.barrier_wait(full[st], (c // NS) % 2)
-                                mark(c, "s.full")
-                                T.barrier_wait(prep_done[pb], (c // 2) % 2)
-                                mark(c, "s.prep")
-                                # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
-                                T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True,
-                                             transpose_B=True, clear_accum=True)
-                                issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
-                                T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
-                                mark(c, "s.vd_issued")
-                                T.wait_wgmma(1)
-                                mark(c, "s.vd_done")
-                                if early_release:
-                                    T.barrier_arrive(empty_va[st])
-                                for i, j in T.Parallel(BV, BT):
-                                    vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
-                                    vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
-                                # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
-                                mark(c, "s.fin_begin")   # plain order: O^T = S0^T Q^T was issued with the Vd GEMMs
-                                T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
-                                T.wait_wgmma(1)
-                                mark(c, "s.fin_o1")
-                                for i, j in T.Parallel(BV, BT):
-                                    o_f[i, j] = o_f[i, j] * dq_s[pb, j]
-                                # O^T += Vd^T Pg^T   [BV, BT] @ [BT, BT]
-                                T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)
-                                mark(c, "s.fin_end")
-                                T.wait_wgmma(0)
-                                mark(c, "s.tail")
-                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
-                        if store_final_state:
-                            if state_v_first:
-                                for i, j in T.Parallel(BV, K):
-                                    ht[n64, i_hv, v0 + i, j] = s_f[i, j]
-                            else:
-                                for i, j in T.Parallel(BV, K):
-                                    ht[n64, i_hv, j, v0 + i] = s_f[i, j]
-                        cb = cb + NT
-                mark.cal("m.clk1")
-            elif tx < 256:
-                # ================= prep warpgroup (state-independent work) =================
-                T.set_max_nreg(224, 1)
-                p_f = T.alloc_fragment((BT, BT), acc)
-                ab_f = T.alloc_fragment((BT, BT), dtype)
-                a_f = T.alloc_fragment((BT, BT), dtype)
-                ag_f = T.alloc_fragment((BT, BT), dtype)
-                pgb_f = T.alloc_fragment((BT, BT), dtype)
-                ag32_f = T.alloc_fragment((BT, BT), acc)
-                ab32_f = T.alloc_fragment((BT, BT), acc)
-                gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
-                gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
-                bj_f = T.alloc_fragment((BT,), acc)
-                ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
-                for it in T.serial(n_it):
-                    i_n = (bx + it * n_ctas) // (HV * NV)
-                    if i_n < N_:
-                        bos = T.alloc_var("int32", init=cu_seqlens[i_n])
-                        eos = T.alloc_var("int32", init=cu_seqlens[i_n + 1])
-                        NT = T.alloc_var("int32", init=T.ceildiv(eos - bos, BT))
-                        prep_loop(NT, cb, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s,
-                                  ae_s, pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f,
-                                  gj_f, bj_f, ei_f)
-                        cb = cb + NT
+            if i_n == N_:
+                # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
+                tb = cu_seqlens[N_]
+                VEC = 8
+                per_row = BV // VEC
+                for it in T.serial(T.ceildiv((T_ - tb) * per_row, THREADS)):
+                    e = it * THREADS + tx
+                    row = tb + e // per_row
+                    if row < T_:
+                        for u in T.vectorized(VEC):
+                            o[0, T.cast(row, "int64"), i_hv, v0 + (e % per_row) * VEC + u] = T.cast(0, dtype)
             else:
-                # ================= producer warpgroup: four single-warp roles =================
-                T.set_max_nreg(40, 0)
-                for it in T.serial(n_it):
-                    item = bx + it * n_ctas
-                    i_n = item // (HV * NV)
-                    i_hv = (item // NV) % HV
-                    v0 = (item % NV) * BV
-                    if i_n < N_:
-                        bos = T.alloc_var("int32", init=cu_seqlens[i_n])
-                        eos = T.alloc_var("int32", init=cu_seqlens[i_n + 1])
-                        NT = T.alloc_var("int32", init=T.ceildiv(eos - bos, BT))
-                        if tx < 288:
-                            # load warp: TMA of v, A, then q, k into ring slot c % NS
-                            i_h = i_hv // G
-                            for i_c in T.serial(NT):
-                                c = cb + i_c
-                                st = c % NS
-                                t0 = bos + i_c * BT
-                                mark(c, "l.begin")
-                                if early_release:
-                                    T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
-                                else:
-                                    T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
-                                mark(c, "l.empty")
-                                T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                                T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
-                                mark(c, "l.va_issued")
-                                if early_release:
-                                    T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
-                                mark(c, "l.qk_slot")
-                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
-                                T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
-                                T.barrier_arrive(full[st])
-                                mark(c, "l.issued")
-                        elif tx < 320:
-                            # store warp: o rows [0, 32) of each chunk
-                            store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, 0, tx - 288, mark)
-                        elif tx < 352:
-                            # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
-                            # minimum); rows past the sequence end get g[eos - 1] and beta = 0
-                            for i_c in T.serial(NT):
-                                c = cb + i_c
-                                st = c % NS
-                                t0 = bos + i_c * BT
-                                if early_release:
-                                    T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
-                                else:
-                                    T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
-                                for t in T.Parallel(BT):
-                                    tt = T.cast(T.min(t0 + t, eos - 1), "int64")
-                                    g_s[st, t] = g[0, tt, i_hv]
-                                    b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
-                                T.barrier_arrive(full[st])
+                bos = cu_seqlens[i_n]
+                eos = cu_seqlens[i_n + 1]
+                NT = T.ceildiv(eos - bos, BT)
+                n64 = T.cast(i_n, "int64")
+
+                if tx < 128:
+                    # ================= state warpgroup =================
+                    T.set_max_nreg(240, 1)
+                    s_f = T.alloc_fragment((BV, K), acc)        # S^T
+                    sb_f = T.alloc_fragment((BV, K), dtype)
+                    vd_f = T.alloc_fragment((BV, BT), acc)      # Vd^T
+                    vdr_f = T.alloc_fragment((BV, BT), dtype)
+                    vdb_f = T.alloc_fragment((BV, BT), dtype)
+                    o_f = T.alloc_fragment((BV, BT), acc)       # O^T
+                    y_f = T.alloc_fragment((BV, BT), acc)       # Y = S0^T K^T
+                    yb_f = T.alloc_fragment((BV, BT), dtype)
+                    mark.cal("m.clk0")
+                    if profile:
+                        # an ordinary TIR store, so TileLang passes `prof` as a writable pointer
+                        if (tx == 0) & (bx < PROF_CTAS):
+                            prof[bx, 0, PROF_INDEX["m.nt"]] = T.cast(NT, "int64")
+                    if has_initial_state:
+                        if state_v_first:
+                            for i, j in T.Parallel(BV, K):
+                                s_f[i, j] = T.cast(h0[n64, i_hv, v0 + i, j], acc)
                         else:
-                            # fourth warp: o rows [32, 64) of each chunk
-                            store_o_rows(o, o_s, o_full, o_empty, NT, cb, bos, eos, i_hv, v0, 1, tx - 352, mark)
-                        cb = cb + NT
-                    elif tx >= 352:
-                        # fourth warp: the padding tail [cu_seqlens[N], T) of o is zero for this (head, V slice)
-                        tb = cu_seqlens[N_]
-                        VEC = 8
-                        per_row = BV // VEC
-                        for e_it in T.serial(T.ceildiv((T_ - tb) * per_row, 32)):
-                            e = e_it * 32 + (tx - 352)
-                            row = tb + e // per_row
-                            if row < T_:
-                                for u in T.vectorized(VEC):
-                                    o[0, T.cast(row, "int64"), i_hv, v0 + (e % per_row) * VEC + u] = T.cast(0, dtype)
+                            for i, j in T.Parallel(BV, K):
+                                s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
+                    else:
+                        T.clear(s_f)
+                    if overlap:
+                        # Software-pipelined: chunk c+1's V^T Ag^T runs under chunk c's tail, and chunk c's o staging
+                        # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
+                        # conditionally (ptxas would serialize every wgmma).
+                        if NT > 0:
+                            T.barrier_wait(full[0], 0)
+                            mark(0, "s.full")
+                            T.barrier_wait(prep_done[0], 0)
+                            mark(0, "s.prep")
+                            T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
+                                         clear_accum=True)
+                            issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                            mark(0, "s.vd_issued")
+                            T.wait_wgmma(0)
+                            mark(0, "s.vd_done")
+                            if early_release:
+                                T.barrier_arrive(empty_va[0])
+                            for c in T.serial(NT - 1):
+                                st1 = (c + 1) % NS
+                                pb1 = (c + 1) % 2
+                                mark(c, "s.fin_begin")
+                                finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
+                                             dq_s, mark.later(c, "s.fin_o1"))
+                                mark(c, "s.fin_end")
+                                T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
+                                mark(c + 1, "s.full")
+                                T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
+                                mark(c + 1, "s.prep")
+                                T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
+                                             transpose_B=True, clear_accum=True)
+                                T.wait_wgmma(1)
+                                mark(c, "s.tail")
+                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                                mark(c + 1, "s.vd_issued")
+                                release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                                T.wait_wgmma(0)
+                                mark(c + 1, "s.vd_done")
+                                if early_release:
+                                    T.barrier_arrive(empty_va[st1])
+                            mark(NT - 1, "s.fin_begin")
+                            finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
+                                         pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
+                            mark(NT - 1, "s.fin_end")
+                            T.wait_wgmma(0)
+                            mark(NT - 1, "s.tail")
+                            release_and_store_o(NT - 1, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                    else:
+                        for c in T.serial(NT):
+                            st = c % NS
+                            pb = c % 2
+                            T.barrier_wait(full[st], (c // NS) % 2)
+                            mark(c, "s.full")
+                            T.barrier_wait(prep_done[pb], (c // 2) % 2)
+                            mark(c, "s.prep")
+                            # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
+                            T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
+                                         clear_accum=True)
+                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                            T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
+                            mark(c, "s.vd_issued")
+                            T.wait_wgmma(1)
+                            mark(c, "s.vd_done")
+                            if early_release:
+                                T.barrier_arrive(empty_va[st])
+                            for i, j in T.Parallel(BV, BT):
+                                vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
+                                vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
+                            # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
+                            mark(c, "s.fin_begin")   # plain order: O^T = S0^T Q^T was issued with the Vd GEMMs
+                            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
+                            T.wait_wgmma(1)
+                            mark(c, "s.fin_o1")
+                            for i, j in T.Parallel(BV, BT):
+                                o_f[i, j] = o_f[i, j] * dq_s[pb, j]
+                            # O^T += Vd^T Pg^T   [BV, BT] @ [BT, BT]
+                            T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)
+                            mark(c, "s.fin_end")
+                            T.wait_wgmma(0)
+                            mark(c, "s.tail")
+                            release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
+                    if store_final_state:
+                        if state_v_first:
+                            for i, j in T.Parallel(BV, K):
+                                ht[n64, i_hv, v0 + i, j] = s_f[i, j]
+                        else:
+                            for i, j in T.Parallel(BV, K):
+                                ht[n64, i_hv, j, v0 + i] = s_f[i, j]
+                    mark.cal("m.clk1")
+                elif tx < 256:
+                    # ================= prep warpgroup (state-independent work) =================
+                    T.set_max_nreg(224, 1)
+                    p_f = T.alloc_fragment((BT, BT), acc)
+                    ab_f = T.alloc_fragment((BT, BT), dtype)
+                    a_f = T.alloc_fragment((BT, BT), dtype)
+                    ag_f = T.alloc_fragment((BT, BT), dtype)
+                    pgb_f = T.alloc_fragment((BT, BT), dtype)
+                    ag32_f = T.alloc_fragment((BT, BT), acc)
+                    ab32_f = T.alloc_fragment((BT, BT), acc)
+                    gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
+                    gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
+                    bj_f = T.alloc_fragment((BT,), acc)
+                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
+                              ei_f)
+                else:
+                    # ================= producer warpgroup =================
+                    T.set_max_nreg(40, 0)
+                    if tx < 288:
+                        for c in T.serial(NT):
+                            st = c % NS
+                            t0 = bos + c * BT
+                            mark(c, "l.begin")
+                            if early_release:
+                                T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
+                            else:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            mark(c, "l.empty")
+                            T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
+                            mark(c, "l.va_issued")
+                            if early_release:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            mark(c, "l.qk_slot")
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+                            T.barrier_arrive(full[st])
+                            mark(c, "l.issued")
+                    elif tx < 320:
+                        for c in T.serial(NT):
+                            pb = c % 2
+                            t0 = bos + c * BT
+                            ln = T.min(eos - t0, BT)
+                            mark(c, "w.begin")
+                            T.barrier_wait(o_full[pb], (c // 2) % 2)
+                            mark(c, "w.o_full")
+                            # rows < ln only (the next sequence or the padding tail follows): 16-byte PTX row loop
+                            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
+                                          T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tx - 288)
+                            T.barrier_arrive(o_empty[pb])
+                            mark(c, "w.stored")
+                    elif tx < 352:
+                        # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
+                        # minimum); rows past the sequence end get g[eos - 1] and beta = 0
+                        for c in T.serial(NT):
+                            st = c % NS
+                            t0 = bos + c * BT
+                            if early_release:
+                                T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
+                            else:
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
+                            for t in T.Parallel(BT):
+                                tt = T.cast(T.min(t0 + t, eos - 1), "int64")
+                                g_s[st, t] = g[0, tt, i_hv]
+                                b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
+                            T.barrier_arrive(full[st])
 
     return chunk_fwd_kernel
 
@@ -583,8 +510,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
-        `state_v_first`. One launch of `grid_ctas` CTAs (at most one per SM), each walking work items (sequence,
-        value head, V slice) back to back; no host synchronisation.
+        `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=None)
@@ -610,9 +536,8 @@ def chunk_fwd_profiled(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *,
 
 def chunk_fwd_variant(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                       chunk_size=64, **flags):
-    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release) and/or launched
-    with another CTA count (``n_ctas=``, see `grid_ctas`), for A/B runs (bench/fwd_variants.py,
-    tests/gpu/test_fwd.py). Returns (o, final_state)."""
+    """Development tool: `chunk_fwd` built with other `SWITCHES` values (overlap, early_release), for
+    A/B runs (bench/fwd_variants.py, tests/gpu/test_fwd.py). Returns (o, final_state)."""
     o, ht, _ = _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                           state_v_first=state_v_first, chunk_size=chunk_size, variant=dict(flags))
     return o, ht
@@ -646,27 +571,8 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
         cu_seqlens = cu_seqlens.to(torch.int32)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
-    variant = dict(variant or {})
-    n_ctas = grid_ctas(N, HV, V, dev, variant.pop("n_ctas", None))
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
-               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht, n_ctas)
-    kernel = build(args, **variant)
+               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    kernel = build(args, **(variant or {}))
     kernel(*tensors, prof) if prof is not None else kernel(*tensors)
     return o, ht, prof
-
-
-def grid_ctas(N: int, HV: int, V: int, device: torch.device, n_ctas=None) -> int:
-    """The kernel's CTA count (its `n_ctas` argument): one per SM at most, never more than the work items
-    ((N + 1) sequences incl. the padding tail, times HV value heads, times V / 64 slices). n_ctas: a development
-    override (1 <= n_ctas <= items), e.g. the items themselves for one item per CTA."""
-    n_items = (N + 1) * HV * (V // BLOCK_V)
-    if n_ctas is None:
-        return min(n_items, _num_sms(device))
-    if not 1 <= int(n_ctas) <= n_items:
-        raise ValueError(f"n_ctas: must be in [1, {n_items}] (the work items); got {n_ctas}")
-    return int(n_ctas)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
+    "split-store": {"split_store": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {

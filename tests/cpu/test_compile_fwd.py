@@ -83,6 +83,15 @@ def test_state_warpgroup_forms_w_s0():
     assert "fd_store_rows(" in src and "cp.async.bulk" not in src
 
 
+def test_split_store_switch():
+    """split_store=True (`fused_fwd.SPLIT_STORE`): two store warps share each chunk's o rows (o_empty counts both);
+    the launcher's build keeps one until measured."""
+    on = fused_fwd.build(VARIANTS["bf16-gva2-h0"], split_store=True).get_kernel_source()
+    assert on.count("fd_store_rows((") == 2 and "o_empty[0].init(64)" in on
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert (default.count("fd_store_rows((") == 2) == fused_fwd.SPLIT_STORE
+
+
 def test_pdl_sync_switch():
     """pdl=True (`fused_fwd.PDL_SYNC`): every thread waits for the previous grid right after the barrier setup,
     before any global read; off in the launcher's build until measured."""

@@ -25,7 +25,8 @@ S0^T Xn^T: one GEMM fewer on the chain, a 64 x 128 x 64 GEMM more in the prep; m
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
-  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop.
+  slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop
+  (with the `split_store` switch warp 3 takes rows 32-63).
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -63,9 +64,14 @@ EARLY_RELEASE = True
 # copy) is then the one waited for. TileLang's tvm_ffi launcher sets the programmatic attribute for kernels with a
 # pdl_sync (bench/probe_pdl.py, NOTES-gpu.md session 4).
 PDL_SYNC = False
+# o leaves shared memory through two store warps (rows 0-31 by the store warp, rows 32-63 by the producer's otherwise
+# idle fourth warp) instead of one. Session 8's timelines: one warp needs 1.5-1.7 us per chunk for 64 rows, 88% of
+# the period; in the work-items build (branch exp/fwd-work-items) it became the pacer and the split removed the
+# state WG's 0.4 us/chunk o_empty wait. Off until measured on this kernel.
+SPLIT_STORE = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -80,11 +86,11 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False):
+                     profile: bool = False, pdl: bool = False, split_store: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`. profile=True adds the output ``prof`` (see `PROF_EVENTS`); with False the kernel is the
-    uninstrumented one.
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
+    with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -138,6 +144,28 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     def stage_o(pb, o_f, o_s, tx):
         # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread)
         T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
+
+    @T.macro
+    def store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, half, lane, mark):
+        # A store warp: o_s rows -> o for rows < ln only (the next sequence or the padding tail follows), by the
+        # 16-byte PTX row loop; all 64 rows, or with split_store rows [32 half, 32 half + 32)
+        for c in T.serial(NT):
+            pb = c % 2
+            t0 = bos + c * BT
+            ln = T.min(eos - t0, BT)
+            mark(c, "w.begin")
+            T.barrier_wait(o_full[pb], (c // 2) % 2)
+            mark(c, "w.o_full")
+            if split_store:
+                T.call_extern("handle", "fd_store_rows",
+                              T.address_of(o[0, T.cast(t0 + 32 * half, "int64"), i_hv, v0]),
+                              T.address_of(o_s[pb, 32 * half, 0]), T.max(T.min(ln - 32 * half, 32), 0),
+                              HV * V * 2, O_LD * 2, lane)
+            else:
+                T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
+                              T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, lane)
+            T.barrier_arrive(o_empty[pb])
+            mark(c, "w.stored")
 
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
@@ -274,7 +302,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * 2)
-            o_empty = T.alloc_barrier([32] * 2)
+            o_empty = T.alloc_barrier([64 if split_store else 32] * 2)   # the store warp(s)
 
             tx = T.get_thread_binding()
             if pdl:
@@ -452,18 +480,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
-                        for c in T.serial(NT):
-                            pb = c % 2
-                            t0 = bos + c * BT
-                            ln = T.min(eos - t0, BT)
-                            mark(c, "w.begin")
-                            T.barrier_wait(o_full[pb], (c // 2) % 2)
-                            mark(c, "w.o_full")
-                            # rows < ln only (the next sequence or the padding tail follows): 16-byte PTX row loop
-                            T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
-                                          T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, tx - 288)
-                            T.barrier_arrive(o_empty[pb])
-                            mark(c, "w.stored")
+                        store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, 0, tx - 288, mark)
                     elif tx < 352:
                         # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
                         # minimum); rows past the sequence end get g[eos - 1] and beta = 0
@@ -479,6 +496,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 g_s[st, t] = g[0, tt, i_hv]
                                 b_s[st, t] = T.Select(t0 + t < eos, T.cast(beta[0, tt, i_hv], acc), 0.0)
                             T.barrier_arrive(full[st])
+                    elif split_store:
+                        store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, 1, tx - 352, mark)
 
     return chunk_fwd_kernel
 
@@ -489,7 +508,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC)
+            PDL_SYNC, SPLIT_STORE)
 
 
 def build(args: tuple, **switches):

@@ -156,14 +156,11 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             mark(c, "w.begin")
             T.barrier_wait(o_full[pb], (c // 2) % 2)
             mark(c, "w.o_full")
-            if split_store:
-                T.call_extern("handle", "fd_store_rows",
-                              T.address_of(o[0, T.cast(t0 + 32 * half, "int64"), i_hv, v0]),
-                              T.address_of(o_s[pb, 32 * half, 0]), T.max(T.min(ln - 32 * half, 32), 0),
-                              HV * V * 2, O_LD * 2, lane)
-            else:
-                T.call_extern("handle", "fd_store_rows", T.address_of(o[0, T.cast(t0, "int64"), i_hv, v0]),
-                              T.address_of(o_s[pb, 0, 0]), ln, HV * V * 2, O_LD * 2, lane)
+            row0 = 32 * half
+            rows = T.max(T.min(ln - row0, 32), 0) if split_store else ln
+            T.call_extern("handle", "fd_store_rows",
+                          T.address_of(o[0, T.cast(t0 + row0 if half else t0, "int64"), i_hv, v0]),
+                          T.address_of(o_s[pb, row0, 0]), rows, HV * V * 2, O_LD * 2, lane)
             T.barrier_arrive(o_empty[pb])
             mark(c, "w.stored")
 

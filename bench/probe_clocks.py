@@ -7,6 +7,8 @@ If the GPU lowers its clock under the heavier load (power or thermal limits), th
 each head config (one 32k-token sequence: 2 HV CTAs) this runs the launcher's fused kernel back to back for
 `--seconds` while `nvidia-smi` samples clocks, power and throttle reasons every 50 ms, and prints per config: the
 kernel's median time, its period per chunk, and the samples' median SM clock, power and throttle reasons.
+--modules compares builds from other modules of `flashdelta.kernels` with fused_fwd's builder interface (session 9:
+the work-items experiment's `_fused_fwd_wiu`, whose kernels take the CTA count as their last argument).
 """
 from __future__ import annotations
 
@@ -29,20 +31,28 @@ def main():
     ap.add_argument("--heads", default="16/64,8/32,2/8")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--modules", default="fused_fwd", help="comma-separated modules of flashdelta.kernels")
     args = ap.parse_args()
 
     import torch
 
-    from flashdelta.kernels import fused_fwd as ff
+    import importlib
+
     from profile_fwd import make_inputs
 
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     windows, results = [], []
-    for spec in args.heads.split(","):
+    for spec, mod_name in [(s, m) for s in args.heads.split(",") for m in args.modules.split(",")]:
         H, HV = (int(x) for x in spec.split("/"))
+        ff = importlib.import_module(f"flashdelta.kernels.{mod_name}")
         q, k, v, gc, beta, A, h0, cu = make_inputs(args.tokens, H, HV)
-        kern = ff.build(ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, 128 ** -0.5, True, False))
+        build = ff.build(ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, 128 ** -0.5, True, False))
+        extra = (ff.grid_ctas(1, HV, 128, q.device),) if mod_name != "fused_fwd" else ()
+
+        def kern(*a, build=build, extra=extra):
+            build(*a, *extra)
+
         o = torch.empty_like(v)
         ht = torch.empty_like(h0)
         kern(q, k, v, gc, beta, A, h0, cu, o, ht)
@@ -57,6 +67,7 @@ def main():
                 b.record()
             torch.cuda.synchronize()
             times += [a.elapsed_time(b) for a, b in evs]
+        spec = f"{spec} {mod_name}" if mod_name != "fused_fwd" else spec
         windows.append((spec, t_start + 0.5, time.time()))   # skip the first half second
         results.append((spec, 2 * HV, statistics.median(times), len(times)))
         print(f"{spec}: {statistics.median(times):.4f} ms over {len(times)} launches", flush=True)
@@ -72,15 +83,15 @@ def main():
             continue
     nt = (args.tokens + 63) // 64
     print(f"\n{torch.cuda.get_device_name()} | fused forward, 1x{args.tokens}, back-to-back launches")
-    print(f"{'heads':>6} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}  throttle")
+    print(f"{'heads':>20} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}  throttle")
     for (spec, ctas, ms, _), (_, t0, t1) in zip(results, windows):
         sel = [s for s in samples if t0 - 1 <= s[0] <= t1]
         if not sel:
-            print(f"{spec:>6} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f}  (no nvidia-smi samples)")
+            print(f"{spec:>20} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f}  (no nvidia-smi samples)")
             continue
         med = [statistics.median(s[i] for s in sel) for i in (1, 2, 3, 4)]
         reasons = sorted({s[5] for s in sel})
-        print(f"{spec:>6} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f} {med[0]:>7.0f} {med[1]:>8.0f} {med[2]:>6.0f} "
+        print(f"{spec:>20} {ctas:>5} {ms:>8.4f} {ms * 1e3 / nt:>9.3f} {med[0]:>7.0f} {med[1]:>8.0f} {med[2]:>6.0f} "
               f"{med[3]:>4.0f}  {' '.join(reasons)}")
 
 

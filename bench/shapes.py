@@ -102,6 +102,20 @@ def parse_seqlens(text: str) -> tuple[int, ...]:
     return (b,) if a == 1 else (a,) * b
 
 
+def flashqla_rule_splits(hv: int, seqlens) -> bool:
+    """Whether FlashQLA's SM90 rule, as the forward issue states it, splits sequences inside the GPU: with
+    ``Be`` = total chunks / chunks of the longest sequence, it splits when ``Be * HV <= 40``, or ``<= 56`` when the
+    longest sequence has 8k tokens or more. (The 0.1.3 wheel decides with a calibrated model instead, see
+    ../shared/reference/flashqla-brief.md §3.7: the benchmark records what it actually did in the ``cp`` column.)"""
+    lens = [int(x) for x in seqlens]
+    chunks = [-(-L // 64) for L in lens]
+    longest = max(chunks)
+    if longest == 0:
+        return False
+    load = sum(chunks) / longest * hv
+    return load <= 40 or (load <= 56 and max(lens) >= 8192)
+
+
 def random_split(total: int, n: int, seed: int, min_len: int = MIN_SPLIT_LEN) -> tuple[int, ...]:
     """`n` positive lengths summing to `total`, each >= `min_len`, from a seeded RNG (stdlib, stable)."""
     if n == 1:

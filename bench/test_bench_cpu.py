@@ -147,3 +147,33 @@ def test_target_lines_count_only_rows_the_reference_runs_whole():
     assert lines == ["target >= 2.0x vs fla on rows where flashqla does not split: 1/2 met; missed: b 1.50x",
                      "target >= 1.2x vs flashqla on rows where flashqla does not split: 1/2 met; missed: b 1.10x"]
     assert lines[0] in report.format_table(data, "flashdelta")
+
+
+def test_target_lines_also_count_by_the_issues_rule():
+    def rows(case, hv, seqlens, sub, fla, fqla):
+        return [dict(suite="fwd", case=case, provider=p, ms=str(ms), timing="cudagraph", cp="1", hv=str(hv),
+                     seqlens=seqlens) for p, ms in (("flashdelta", sub), ("fla", fla), ("flashqla", fqla))]
+    # FlashQLA ran all three whole; the rule splits "b" (1 x 8 = 8 <= 40), so only "a" and "c" count there
+    data = (rows("a", 64, "1x32768", 1.0, 2.5, 1.5) + rows("b", 8, "1x4096", 1.0, 1.3, 1.3)
+            + rows("c", 64, "4096x8", 1.0, 3.0, 1.19965))
+    _, peers, table = report.speedup_table(data, "flashdelta")
+    lines = report.target_lines(table, peers)
+    assert lines == [
+        "target >= 2.0x vs fla on rows where flashqla does not split: 2/3 met; missed: b 1.30x",
+        "target >= 1.2x vs flashqla on rows where flashqla does not split: 2/3 met; missed: c 1.200x",
+        "target >= 2.0x vs fla on rows where the issue's flashqla rule does not split: 2/2 met",
+        "target >= 1.2x vs flashqla on rows where the issue's flashqla rule does not split: 1/2 met; missed: c 1.200x"]
+
+
+@pytest.mark.parametrize("hv, seqlens, splits", [
+    (8, (4096,), True),                  # Be = 1: 8 <= 40
+    (64, (32768,), False),               # 64 > 56
+    (48, (32768,), True),                # 48 <= 56 and the longest has >= 8k tokens
+    (48, (4096,), False),                # 48 > 40 and the longest is short
+    (24, (8192,) * 4, False),            # Be = 4: 96
+    (16, (16384, 16384), True),          # Be = 2: 32 <= 40
+    (16, (28672, 4096), True),           # Be = 512 / 448 = 1.14: 18.3
+    (16, (0,), False),                   # nothing to split
+])
+def test_flashqla_rule(hv, seqlens, splits):
+    assert shapes.flashqla_rule_splits(hv, seqlens) is splits

@@ -184,7 +184,7 @@ def test_offsets_past_2_31_elements():
 VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SWITCH_SETS = {"plain-order": {"overlap": False}, "no-early-release": {"early_release": not fused_fwd.EARLY_RELEASE},
                "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "split-store": {"split_store": not fused_fwd.SPLIT_STORE},
-               "deep-ring": {"deep_ring": not fused_fwd.DEEP_RING}}
+               "o-triple": {"o_triple": not fused_fwd.O_TRIPLE}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))

@@ -65,21 +65,6 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 """
 STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
 
-# Always prepended: the state warpgroup's L2 prefetch of the next work item's initial-state slice while it finishes
-# the current item (fused_fwd; the slice's load then hits L2 instead of DRAM at the item switch): `rows` rows of
-# `row_bytes` contiguous bytes (a multiple of 128), `pitch` bytes apart, one 128-byte line per prefetch, the lines
-# spread over the warpgroup's 128 threads.
-PREFETCH_L2_PRELUDE = r"""
-__device__ __forceinline__ void fd_prefetch_rows_l2(const void* base, int rows, long long pitch, int row_bytes,
-                                                    int tx) {
-  const int per_row = row_bytes >> 7;
-  for (int i = tx; i < rows * per_row; i += 128) {
-    const char* p = static_cast<const char*>(base) + (i / per_row) * pitch + (i % per_row) * 128;
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-  }
-}
-"""
-
 # Always prepended: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and
 # step, addresses by adds. (The TileLang loop it replaces spent its time on 64-bit index arithmetic and bounds

@@ -69,15 +69,13 @@ PDL_SYNC = False
 # the period; in the work-items build (branch exp/fwd-work-items) it became the pacer and the split removed the
 # state WG's 0.4 us/chunk o_empty wait. Off until measured on this kernel.
 SPLIT_STORE = False
-# A 4-slot q/k ring next to the 3-slot v/A/g/beta ring (q/k are held until a chunk ends, v/A only until its Vd
-# GEMMs, so q/k have the least slack between their slot's release and the prep warpgroup's need). Shared memory
-# allows it only with o staged in one buffer (then two store warps drain it: split_store is implied). Session 9:
-# a 2-slot ring was 18-36% slower than the 3-slot one, so input slack is on the critical path. Off until measured.
-DEEP_RING = False
-QK_STAGES_DEEP = 4
+# Stage o in three buffers instead of two (the state WG then waits on o_empty only if the store warp is two chunks
+# behind). Session 9: a 4-slot q/k ring that needed a single o buffer was 3-7% slower; this is the other
+# direction. Off until measured.
+O_TRIPLE = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store", "deep_ring")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store", "o_triple")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -93,10 +91,10 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
                      profile: bool = False, pdl: bool = False, split_store: bool = False,
-                     deep_ring: bool = False):
+                     o_triple: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; deep_ring: see `DEEP_RING`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; o_triple: see `O_TRIPLE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
     with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -104,13 +102,10 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     NV = V // BV
     acc = "float32"
     # tiling config
-    NS = NUM_STAGES                                  # v/A/g/beta ring (and q/k unless deep_ring)
-    NQ = QK_STAGES_DEEP if deep_ring else NS        # q/k ring
-    NO = 1 if deep_ring else 2                      # o staging buffers
-    split_store = split_store or deep_ring
+    NS = NUM_STAGES
+    NO = 3 if o_triple else 2       # o staging buffers
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
-    assert early_release or not deep_ring, "deep_ring releases v/A and q/k separately (early_release)"
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
@@ -120,13 +115,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     prof_t = T.Tensor((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), "int64") if profile else None
 
     @T.macro
-    def finish_chunk(sq, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
+    def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
         # on entry: Vd^T = V^T Ag^T + Y Ae^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
-        T.wgmma_gemm(sb_f, q_s[sq, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
+        T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
         for i, j in T.Parallel(BV, BT):
             vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
             vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
-        T.wgmma_gemm(vdr_f, k_s[sq, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
+        T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
         T.wait_wgmma(1)
         on_o1()
         for i, j in T.Parallel(BV, BT):
@@ -140,12 +135,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def issue_ws(sq, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
         # is pending; on exit the Y Ae^T group is pending.
         T.copy(s_f, sb_f)
-        T.wgmma_gemm(sb_f, k_s[sq, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
+        T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
         T.copy(y_f, yb_f)
@@ -178,7 +173,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
-        T.barrier_arrive(empty[c % NQ])
+        T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
@@ -188,23 +183,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         mark(c, "s.o_staged")
 
     @T.macro
-    def wait_full(c, st, sq, full, full_qk):
-        # chunk c's inputs are in shared memory: v/A/g/beta in slot st and q/k in slot sq (one barrier for both
-        # unless deep_ring)
-        T.barrier_wait(full[st], (c // NS) % 2)
-        if deep_ring:
-            T.barrier_wait(full_qk[sq], (c // NQ) % 2)
-
-    @T.macro
-    def wait_inputs(c, st, sq, ln, full, full_qk, q_s, k_s, v_s, a_s):
-        # prep WG: chunk c's ring slots are loaded; rows past the sequence end (another sequence's or padding data)
+    def wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s):
+        # prep WG: chunk c's ring slot is loaded; rows past the sequence end (another sequence's or padding data)
         # are zeroed in q, k, v and A
-        wait_full(c, st, sq, full, full_qk)
+        T.barrier_wait(full[st], (c // NS) % 2)
         if ln < BT:
             for i, j in T.Parallel(BT, K):
                 if i >= ln:
-                    q_s[sq, i, j] = T.cast(0, dtype)
-                    k_s[sq, i, j] = T.cast(0, dtype)
+                    q_s[st, i, j] = T.cast(0, dtype)
+                    k_s[st, i, j] = T.cast(0, dtype)
             for i, j in T.Parallel(BT, BV):
                 if i >= ln:
                     v_s[st, i, j] = T.cast(0, dtype)
@@ -234,19 +221,18 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, bos, eos, mark, full, full_qk, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
-                  pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
-            sq = c % NQ
             pb = c % 2
             ln = T.min(eos - (bos + c * BT), BT)
             mark(c, "p.begin")
-            wait_inputs(c, st, sq, ln, full, full_qk, q_s, k_s, v_s, a_s)
+            wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-            T.wgmma_gemm(q_s[sq, :, :], k_s[sq, :, :], p_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
@@ -300,8 +286,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             v0 = i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
-            q_s = T.alloc_shared((NQ, BT, K), dtype)
-            k_s = T.alloc_shared((NQ, BT, K), dtype)
+            q_s = T.alloc_shared((NS, BT, K), dtype)
+            k_s = T.alloc_shared((NS, BT, K), dtype)
             v_s = T.alloc_shared((NS, BT, BV), dtype)
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
@@ -314,9 +300,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             o_s = T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
-            # deep_ring: q/k land on their own barriers (load warp: 32 arrivals + TMA bytes)
-            full_qk = T.alloc_barrier([32] * NQ) if deep_ring else None
-            empty = T.alloc_barrier([128] * NQ)      # state WG releases the ring slot (q/k part if early_release)
+            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
@@ -375,7 +359,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
                         # conditionally (ptxas would serialize every wgmma).
                         if NT > 0:
-                            wait_full(0, 0, 0, full, full_qk)
+                            T.barrier_wait(full[0], 0)
                             mark(0, "s.full")
                             T.barrier_wait(prep_done[0], 0)
                             mark(0, "s.prep")
@@ -389,13 +373,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
-                                sq1 = (c + 1) % NQ
                                 pb1 = (c + 1) % 2
                                 mark(c, "s.fin_begin")
-                                finish_chunk(c % NQ, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
+                                finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
                                              dq_s, mark.later(c, "s.fin_o1"))
                                 mark(c, "s.fin_end")
-                                wait_full(c + 1, st1, sq1, full, full_qk)
+                                T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
                                 mark(c + 1, "s.full")
                                 T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
                                 mark(c + 1, "s.prep")
@@ -403,7 +386,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
-                                issue_ws(sq1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
                                 release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
@@ -411,7 +394,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 if early_release:
                                     T.barrier_arrive(empty_va[st1])
                             mark(NT - 1, "s.fin_begin")
-                            finish_chunk((NT - 1) % NQ, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
+                            finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
                                          pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
@@ -420,17 +403,16 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     else:
                         for c in T.serial(NT):
                             st = c % NS
-                            sq = c % NQ
                             pb = c % 2
-                            wait_full(c, st, sq, full, full_qk)
+                            T.barrier_wait(full[st], (c // NS) % 2)
                             mark(c, "s.full")
                             T.barrier_wait(prep_done[pb], (c // 2) % 2)
                             mark(c, "s.prep")
                             # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            issue_ws(sq, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
-                            T.wgmma_gemm(sb_f, q_s[sq, :, :], o_f, transpose_B=True, clear_accum=True)
+                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                            T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
                             mark(c, "s.vd_issued")
                             T.wait_wgmma(1)
                             mark(c, "s.vd_done")
@@ -441,7 +423,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
                             # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
                             mark(c, "s.fin_begin")   # plain order: O^T = S0^T Q^T was issued with the Vd GEMMs
-                            T.wgmma_gemm(vdr_f, k_s[sq, :, :], s_f)
+                            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
                             T.wait_wgmma(1)
                             mark(c, "s.fin_o1")
                             for i, j in T.Parallel(BV, BT):
@@ -474,16 +456,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
-                    prep_loop(NT, bos, eos, mark, full, full_qk, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s,
-                              ae_s, pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f,
-                              bj_f, ei_f)
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
+                              ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
                     if tx < 288:
                         for c in T.serial(NT):
                             st = c % NS
-                            sq = c % NQ
                             t0 = bos + c * BT
                             mark(c, "l.begin")
                             if early_release:
@@ -493,20 +474,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
-                            if deep_ring:
-                                T.barrier_arrive(full[st])
                             mark(c, "l.va_issued")
                             if early_release:
-                                T.barrier_wait(empty[sq], ((c // NQ) % 2) ^ 1)
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
-                            if deep_ring:
-                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[sq, :, :], barrier=full_qk[sq])
-                                T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[sq, :, :], barrier=full_qk[sq])
-                                T.barrier_arrive(full_qk[sq])
-                            else:
-                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
-                                T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
-                                T.barrier_arrive(full[st])
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+                            T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
                         store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, 0, tx - 288, mark)
@@ -537,7 +511,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, SPLIT_STORE, DEEP_RING)
+            PDL_SYNC, SPLIT_STORE, O_TRIPLE)
 
 
 def build(args: tuple, **switches):

@@ -92,15 +92,6 @@ def test_split_store_switch():
     assert (default.count("fd_store_rows((") == 2) == fused_fwd.SPLIT_STORE
 
 
-def test_o_triple_switch():
-    """o_triple=True (`fused_fwd.O_TRIPLE`): o staged in three buffers (barriers and phases follow); the
-    launcher's build keeps two until measured."""
-    src = fused_fwd.build(VARIANTS["bf16-gva2-h0"], o_triple=True).get_kernel_source()
-    assert "o_full[2].init(128)" in src and "o_empty[2].init(32)" in src and "% 3)].wait" in src
-    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
-    assert ("o_full[2]" in default) == fused_fwd.O_TRIPLE
-
-
 def test_pdl_sync_switch():
     """pdl=True (`fused_fwd.PDL_SYNC`): every thread waits for the previous grid right after the barrier setup,
     before any global read; off in the launcher's build until measured."""

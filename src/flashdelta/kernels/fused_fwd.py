@@ -69,13 +69,9 @@ PDL_SYNC = False
 # the period; in the work-items build (branch exp/fwd-work-items) it became the pacer and the split removed the
 # state WG's 0.4 us/chunk o_empty wait. Off until measured on this kernel.
 SPLIT_STORE = False
-# Stage o in three buffers instead of two (the state WG then waits on o_empty only if the store warp is two chunks
-# behind). Session 9: a 4-slot q/k ring that needed a single o buffer was 3-7% slower; this is the other
-# direction. Off until measured.
-O_TRIPLE = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store", "o_triple")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -90,11 +86,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, split_store: bool = False,
-                     o_triple: bool = False):
+                     profile: bool = False, pdl: bool = False, split_store: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; o_triple: see `O_TRIPLE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
     with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -103,7 +98,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     acc = "float32"
     # tiling config
     NS = NUM_STAGES
-    NO = 3 if o_triple else 2       # o staging buffers
+    NO = 2                          # o staging buffers (three measured in session 9: no gain)
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
@@ -511,7 +506,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, SPLIT_STORE, O_TRIPLE)
+            PDL_SYNC, SPLIT_STORE)
 
 
 def build(args: tuple, **switches):

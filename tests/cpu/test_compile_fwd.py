@@ -92,6 +92,18 @@ def test_split_store_switch():
     assert (default.count("fd_store_rows((") == 2) == fused_fwd.SPLIT_STORE
 
 
+def test_build_with_rejects_out_of_step_arguments():
+    """A switch list or argument tuple that does not line up with the builder's parameters raises instead of
+    shifting every switch onto its neighbour (session 9 hit this while adding a switch)."""
+    from flashdelta.kernels import _tl
+
+    args = VARIANTS["bf16-gva2-h0"]
+    for bad_args, names in ((args[:-1], fused_fwd.SWITCHES), (args, fused_fwd.SWITCHES[:-1]),
+                            (args, fused_fwd.SWITCHES[::-1])):
+        with pytest.raises(TypeError, match="out of step with _build_chunk_fwd"):
+            _tl.build_with(fused_fwd._build_chunk_fwd, bad_args, names, {})
+
+
 def test_pdl_sync_switch():
     """pdl=True (`fused_fwd.PDL_SYNC`): every thread waits for the previous grid right after the barrier setup,
     before any global read; off in the launcher's build until measured."""

@@ -5,6 +5,7 @@ Nothing here runs at import time beyond defining names; `tilelang` itself is imp
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -39,11 +40,28 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def build_with(builder, args: tuple, names: tuple, switches: dict):
     """`builder(*args)` with some of its trailing parameters `names` (the last len(names) entries of `args`)
     replaced by keyword (development variants). All arguments stay positional, so one switch set has one
-    compile-cache key however it was spelled."""
+    compile-cache key however it was spelled. `args` must fill every parameter and `names` must be the
+    builder's trailing parameter names (else a switch would silently land on its neighbour)."""
     unknown = set(switches) - set(names)
     if unknown:
         raise TypeError(f"unknown builder switches {sorted(unknown)}; known: {names}")
+    params = _params(builder)
+    if len(args) != len(params) or params[len(params) - len(names):] != tuple(names):
+        name = getattr(getattr(builder, "func", builder), "__name__", "the builder")
+        raise TypeError(f"builder arguments out of step with {name}: "
+                        f"{len(args)} args for parameters {params}, switches {names}")
     n = len(names)
     values = dict(zip(names, args[-n:]))
     values.update(switches)
     return builder(*args[:-n], *(values[name] for name in names))
+
+
+_PARAMS: dict = {}
+
+
+def _params(builder) -> tuple:
+    """Parameter names of a `tilelang.jit` builder (its Python function), in order (cached per builder)."""
+    key = id(builder)
+    if key not in _PARAMS:
+        _PARAMS[key] = tuple(inspect.signature(getattr(builder, "func", builder)).parameters)
+    return _PARAMS[key]

@@ -19,6 +19,7 @@ sys.path.insert(1, os.path.join(ROOT, "src"))
 import gate  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
+import ncu_sites  # noqa: E402
 import timing  # noqa: E402
 
 
@@ -177,3 +178,26 @@ def test_target_lines_also_count_by_the_issues_rule():
 ])
 def test_flashqla_rule(hv, seqlens, splits):
     assert shapes.flashqla_rule_splits(hv, seqlens) is splits
+
+
+def test_ncu_sites_splits_roles_at_setmaxnreg(tmp_path):
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_wait", "stall_long_sb (Not Issued)"]
+    code = [("0x100", "LDC R1, c[0x0][0x28]", 1, 3, 0, 1),
+            ("0x110", "USETMAXREG.DEALLOC.CTAPOOL 0x28", 0, 4, 0, 0),
+            ("0x120", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R2", 5, 8, 5, 0),
+            ("0x130", "@!P0 BRA 0x200", 2, 8, 2, 0),
+            ("0x140", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0", 0, 4, 0, 0),
+            ("0x150", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR9], R2", 30, 64, 29, 1),
+            ("0x160", "@!P0 BRA 0x210", 1, 64, 1, 0)]
+    path = tmp_path / "src.csv"
+    lines = ['"Kernel Name","k",', ",".join(f'"{h}"' for h in head)]
+    lines += [",".join(f'"{x}"' for x in (a, s_, n, ex, lsb, w, 0)) for a, s_, n, ex, lsb, w in code]
+    path.write_text("\n".join(lines) + "\n")
+    kernels = ncu_sites.read_kernels(str(path))
+    assert len(kernels) == 1 and len(kernels[0][2]) == 7
+    out = "\n".join(ncu_sites.summarize(kernels[0], top=2))
+    assert "producer 40 regs" in out and "consumer 240 regs" in out
+    sites = out.split("top mbarrier wait sites")[1].splitlines()[1:]
+    assert "0x00050 consumer 240 regs      samples     31" in sites[0]     # 30 + 1 on its branch
+    assert "0x00020 producer 40 regs       samples      7" in sites[1]

@@ -1,6 +1,8 @@
 """The fused forward builder compiles for SM90 without a GPU, and the emitted CUDA is the warp-specialized kernel
 (register-A wgmma, TMA loads on mbarriers, setmaxnreg, async-proxy fences). A few variants keep this short; the
 GVA ratios of the benchmark grid that no other test builds (3: 8/24, 16/48) compile here too."""
+import re
+
 import pytest
 
 pytest.importorskip("tilelang")

@@ -29,7 +29,6 @@ VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
     "split-store": {"split_store": True},
-    "o-in-q": {"o_in_q": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {

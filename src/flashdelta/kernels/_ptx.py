@@ -88,15 +88,6 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 }
 """
 
-# Prepended with fused_fwd's o_in_q: fd_store_rows from `src_off` elements (16-bit) past a raw shared-memory base,
-# for o rows staged inside a (swizzle-annotated) q slot whose row offsets TileLang's index remapping must not see.
-STORE_ROWS_OFF_PRELUDE = r"""
-__device__ __forceinline__ void fd_store_rows_off(void* dst, const void* base, int src_off, int rows,
-                                                  long long dst_pitch, int src_pitch, int lane) {
-  fd_store_rows(dst, static_cast<const char*>(base) + 2 * src_off, rows, dst_pitch, src_pitch, lane);
-}
-"""
-
 # prepare_fwd: one warp inverts one value head's unit lower triangular 64x64 matrix
 #   M = I + strictly_lower(diag(beta) L),  L = K K^T (symmetric, fp32 accumulated, unscaled),
 # with no CTA barrier. 16x16 blocks: level 0, the diagonal blocks D_b = M_bb^{-1} by right-looking forward

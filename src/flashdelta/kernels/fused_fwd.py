@@ -69,16 +69,9 @@ PDL_SYNC = False
 # the period; in the work-items build (branch exp/fwd-work-items) it became the pacer and the split removed the
 # state WG's 0.4 us/chunk o_empty wait. Off until measured on this kernel.
 SPLIT_STORE = False
-# A 4-slot q/k ring next to the 3-slot v/A/g/beta ring, with each chunk's O^T staged in its own q slot (q is dead
-# once the chunk's O GEMM completes): no o_s buffers, and the store warps (split_store implied) free the q/k slot
-# after storing the rows. q/k are held to a chunk's end, v/A only to its Vd GEMMs, so q/k have the least slack.
-# Session 9: a 2-slot ring was 18-36% slower than 3 slots; a 4-slot q/k ring with a single o_s buffer (deep_ring,
-# 1100fa6) was 3-7% slower. Off until measured.
-O_IN_Q = False
-QK_STAGES_O_IN_Q = 4
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store", "o_in_q")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -93,11 +86,10 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, split_store: bool = False,
-                     o_in_q: bool = False):
+                     profile: bool = False, pdl: bool = False, split_store: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; o_in_q: see `O_IN_Q`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
     with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -105,16 +97,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     NV = V // BV
     acc = "float32"
     # tiling config
-    NS = NUM_STAGES                                  # v/A/g/beta ring (and q/k unless o_in_q)
-    NQ = QK_STAGES_O_IN_Q if o_in_q else NS         # q/k ring
-    NO = 2                                           # o staging buffers (three measured in session 9: no gain)
-    split_store = split_store or o_in_q
+    NS = NUM_STAGES
+    NO = 2                          # o staging buffers (three measured in session 9: no gain)
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
-    assert early_release or not o_in_q, "o_in_q releases v/A and q/k separately (early_release)"
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
-    assert not o_in_q or K >= O_LD, "o_in_q stages a chunk's O^T (BT rows of O_LD) in its q slot (BT rows of K)"
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
@@ -122,13 +110,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     prof_t = T.Tensor((PROF_CTAS, PROF_CHUNKS, len(PROF_EVENTS)), "int64") if profile else None
 
     @T.macro
-    def finish_chunk(sq, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
+    def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s, on_o1):
         # on entry: Vd^T = V^T Ag^T + Y Ae^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
-        T.wgmma_gemm(sb_f, q_s[sq, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
+        T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
         for i, j in T.Parallel(BV, BT):
             vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
             vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
-        T.wgmma_gemm(vdr_f, k_s[sq, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
+        T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
         T.wait_wgmma(1)
         on_o1()
         for i, j in T.Parallel(BV, BT):
@@ -142,84 +130,63 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def issue_ws(sq, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
         # is pending; on exit the Y Ae^T group is pending.
         T.copy(s_f, sb_f)
-        T.wgmma_gemm(sb_f, k_s[sq, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
+        T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
         T.copy(y_f, yb_f)
         T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
-    def stage_o(off, o_f, o_s, tx):
-        # O^T -> o_s from element `off` on, rows O_LD apart (packed conversion + stmatrix.trans: 16 cvt and 4
-        # stmatrix per thread)
-        T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, off, O_LD, tx)
+    def stage_o(pb, o_f, o_s, tx):
+        # O^T -> o_s[pb] (packed conversion + stmatrix.trans: 16 cvt and 4 stmatrix per thread)
+        T.call_extern("handle", _ptx.STAGE_O[dtype], o_f.data, o_s.data, pb * (BT * O_LD), O_LD, tx)
 
     @T.macro
     def store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, half, lane, mark):
         # A store warp: o_s rows -> o for rows < ln only (the next sequence or the padding tail follows), by the
-        # 16-byte PTX row loop; all 64 rows, or with split_store rows [32 half, 32 half + 32). With o_in_q, o_s is
-        # q_s, the rows sit in the chunk's q slot and o_empty is the q/k slot's `empty` barrier.
+        # 16-byte PTX row loop; all 64 rows, or with split_store rows [32 half, 32 half + 32)
         for c in T.serial(NT):
-            pb = c % NQ if o_in_q else c % NO
+            pb = c % NO
             t0 = bos + c * BT
             ln = T.min(eos - t0, BT)
             mark(c, "w.begin")
-            T.barrier_wait(o_full[pb], (c // NQ) % 2 if o_in_q else (c // NO) % 2)
+            T.barrier_wait(o_full[pb], (c // NO) % 2)
             mark(c, "w.o_full")
             row0 = 32 * half
             rows = T.max(T.min(ln - row0, 32), 0) if split_store else ln
-            if o_in_q:
-                T.call_extern("handle", "fd_store_rows_off",
-                              T.address_of(o[0, T.cast(t0 + row0 if half else t0, "int64"), i_hv, v0]),
-                              o_s.data, pb * (BT * K) + row0 * O_LD, rows, HV * V * 2, O_LD * 2, lane)
-            else:
-                T.call_extern("handle", "fd_store_rows",
-                              T.address_of(o[0, T.cast(t0 + row0 if half else t0, "int64"), i_hv, v0]),
-                              T.address_of(o_s[pb, row0, 0]), rows, HV * V * 2, O_LD * 2, lane)
+            T.call_extern("handle", "fd_store_rows",
+                          T.address_of(o[0, T.cast(t0 + row0 if half else t0, "int64"), i_hv, v0]),
+                          T.address_of(o_s[pb, row0, 0]), rows, HV * V * 2, O_LD * 2, lane)
             T.barrier_arrive(o_empty[pb])
             mark(c, "w.stored")
 
     @T.macro
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
-        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp.
-        # o_in_q: O^T goes into the chunk's own q slot (o_s is q_s) and the store warps free the slot.
-        if not o_in_q:
-            T.barrier_arrive(empty[c % NQ])
+        # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
+        T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % 2])
         mark(c, "s.released")
-        if o_in_q:
-            stage_o((c % NQ) * (BT * K), o_f, o_s, tx)
-            T.barrier_arrive(o_full[c % NQ])
-        else:
-            T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
-            mark(c, "s.o_empty")
-            stage_o((c % NO) * (BT * O_LD), o_f, o_s, tx)
-            T.barrier_arrive(o_full[c % NO])
+        T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
+        mark(c, "s.o_empty")
+        stage_o(c % NO, o_f, o_s, tx)
+        T.barrier_arrive(o_full[c % NO])
         mark(c, "s.o_staged")
 
     @T.macro
-    def wait_full(c, st, sq, full, full_qk):
-        # chunk c's inputs are in shared memory: v/A/g/beta in slot st and q/k in slot sq (one barrier for both
-        # unless o_in_q)
-        T.barrier_wait(full[st], (c // NS) % 2)
-        if o_in_q:
-            T.barrier_wait(full_qk[sq], (c // NQ) % 2)
-
-    @T.macro
-    def wait_inputs(c, st, sq, ln, full, full_qk, q_s, k_s, v_s, a_s):
-        # prep WG: chunk c's ring slots are loaded; rows past the sequence end (another sequence's or padding data)
+    def wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s):
+        # prep WG: chunk c's ring slot is loaded; rows past the sequence end (another sequence's or padding data)
         # are zeroed in q, k, v and A
-        wait_full(c, st, sq, full, full_qk)
+        T.barrier_wait(full[st], (c // NS) % 2)
         if ln < BT:
             for i, j in T.Parallel(BT, K):
                 if i >= ln:
-                    q_s[sq, i, j] = T.cast(0, dtype)
-                    k_s[sq, i, j] = T.cast(0, dtype)
+                    q_s[st, i, j] = T.cast(0, dtype)
+                    k_s[st, i, j] = T.cast(0, dtype)
             for i, j in T.Parallel(BT, BV):
                 if i >= ln:
                     v_s[st, i, j] = T.cast(0, dtype)
@@ -249,19 +216,18 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, bos, eos, mark, full, full_qk, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
-                  pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
-            sq = c % NQ
             pb = c % 2
             ln = T.min(eos - (bos + c * BT), BT)
             mark(c, "p.begin")
-            wait_inputs(c, st, sq, ln, full, full_qk, q_s, k_s, v_s, a_s)
+            wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-            T.wgmma_gemm(q_s[sq, :, :], k_s[sq, :, :], p_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
@@ -306,8 +272,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         ht: T.Tensor(state_shape, acc),
         prof: prof_t,
     ):
-        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "") + \
-            (_ptx.STORE_ROWS_OFF_PRELUDE if o_in_q else "")
+        prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + (_ptx.PROF_PRELUDE if profile else "")
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
@@ -316,8 +281,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             v0 = i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
-            q_s = T.alloc_shared((NQ, BT, K), dtype)
-            k_s = T.alloc_shared((NQ, BT, K), dtype)
+            q_s = T.alloc_shared((NS, BT, K), dtype)
+            k_s = T.alloc_shared((NS, BT, K), dtype)
             v_s = T.alloc_shared((NS, BT, BV), dtype)
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
@@ -327,19 +292,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
             dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
-            o_s = q_s if o_in_q else T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
+            o_s = T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
-            # o_in_q: q/k land on their own barriers (load warp: 32 arrivals + TMA bytes)
-            full_qk = T.alloc_barrier([32] * NQ) if o_in_q else None
-            # state WG releases the ring slot (q/k part if early_release); o_in_q: the two store warps do
-            empty = T.alloc_barrier([64 if o_in_q else 128] * NQ)
+            empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
             prep_done = T.alloc_barrier([128] * 2)
             pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
-            o_full = T.alloc_barrier([128] * (NQ if o_in_q else NO))
-            # the store warp(s) free o_s (o_in_q: the q/k slot's `empty`)
-            o_empty = empty if o_in_q else T.alloc_barrier([64 if split_store else 32] * NO)
+            o_full = T.alloc_barrier([128] * NO)
+            o_empty = T.alloc_barrier([64 if split_store else 32] * NO)   # the store warp(s)
 
             tx = T.get_thread_binding()
             if pdl:
@@ -393,7 +354,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                         # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
                         # conditionally (ptxas would serialize every wgmma).
                         if NT > 0:
-                            wait_full(0, 0, 0, full, full_qk)
+                            T.barrier_wait(full[0], 0)
                             mark(0, "s.full")
                             T.barrier_wait(prep_done[0], 0)
                             mark(0, "s.prep")
@@ -407,13 +368,12 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
-                                sq1 = (c + 1) % NQ
                                 pb1 = (c + 1) % 2
                                 mark(c, "s.fin_begin")
-                                finish_chunk(c % NQ, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
+                                finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
                                              dq_s, mark.later(c, "s.fin_o1"))
                                 mark(c, "s.fin_end")
-                                wait_full(c + 1, st1, sq1, full, full_qk)
+                                T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
                                 mark(c + 1, "s.full")
                                 T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
                                 mark(c + 1, "s.prep")
@@ -421,7 +381,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                              transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
                                 mark(c, "s.tail")
-                                issue_ws(sq1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                                issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                                 mark(c + 1, "s.vd_issued")
                                 release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                                 T.wait_wgmma(0)
@@ -429,7 +389,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 if early_release:
                                     T.barrier_arrive(empty_va[st1])
                             mark(NT - 1, "s.fin_begin")
-                            finish_chunk((NT - 1) % NQ, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
+                            finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
                                          pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
@@ -438,17 +398,16 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     else:
                         for c in T.serial(NT):
                             st = c % NS
-                            sq = c % NQ
                             pb = c % 2
-                            wait_full(c, st, sq, full, full_qk)
+                            T.barrier_wait(full[st], (c // NS) % 2)
                             mark(c, "s.full")
                             T.barrier_wait(prep_done[pb], (c // 2) % 2)
                             mark(c, "s.prep")
                             # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
                                          clear_accum=True)
-                            issue_ws(sq, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
-                            T.wgmma_gemm(sb_f, q_s[sq, :, :], o_f, transpose_B=True, clear_accum=True)
+                            issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                            T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)
                             mark(c, "s.vd_issued")
                             T.wait_wgmma(1)
                             mark(c, "s.vd_done")
@@ -459,7 +418,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
                             # S1^T = e_L S0^T + (Vd^T R) K   [BV, BT] @ [BT, K]
                             mark(c, "s.fin_begin")   # plain order: O^T = S0^T Q^T was issued with the Vd GEMMs
-                            T.wgmma_gemm(vdr_f, k_s[sq, :, :], s_f)
+                            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)
                             T.wait_wgmma(1)
                             mark(c, "s.fin_o1")
                             for i, j in T.Parallel(BV, BT):
@@ -492,16 +451,15 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
                     ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
-                    prep_loop(NT, bos, eos, mark, full, full_qk, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s,
-                              ae_s, pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f,
-                              bj_f, ei_f)
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
+                              ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)
                     if tx < 288:
                         for c in T.serial(NT):
                             st = c % NS
-                            sq = c % NQ
                             t0 = bos + c * BT
                             mark(c, "l.begin")
                             if early_release:
@@ -511,20 +469,13 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                             mark(c, "l.empty")
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
-                            if o_in_q:
-                                T.barrier_arrive(full[st])
                             mark(c, "l.va_issued")
                             if early_release:
-                                T.barrier_wait(empty[sq], ((c // NQ) % 2) ^ 1)
+                                T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
-                            if o_in_q:
-                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[sq, :, :], barrier=full_qk[sq])
-                                T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[sq, :, :], barrier=full_qk[sq])
-                                T.barrier_arrive(full_qk[sq])
-                            else:
-                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
-                                T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
-                                T.barrier_arrive(full[st])
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+                            T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
                         store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, 0, tx - 288, mark)
@@ -555,7 +506,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, SPLIT_STORE, O_IN_Q)
+            PDL_SYNC, SPLIT_STORE)
 
 
 def build(args: tuple, **switches):

@@ -29,6 +29,7 @@ VARIANTS = {
     "default": {},
     "no-early-release": {"early_release": False},
     "split-store": {"split_store": True},
+    "pout-triple": {"pout_triple": True},
 }
 # name -> prepare_fwd builder knobs (`prepare.KNOBS`) over the launcher's
 PREPARE_VARIANTS = {

@@ -92,6 +92,15 @@ def test_split_store_switch():
     assert (default.count("fd_store_rows((") == 2) == fused_fwd.SPLIT_STORE
 
 
+def test_pout_triple_switch():
+    """pout_triple=True (`fused_fwd.POUT_TRIPLE`): three buffers for the prep warpgroup's products (ae_s, pg_s,
+    r_s, dq_s, el_s) with prep_done / pout_empty to match; the launcher's build keeps two until measured."""
+    src = fused_fwd.build(VARIANTS["bf16-gva2-h0"], pout_triple=True).get_kernel_source()
+    assert "prep_done[2].init(128)" in src and "pout_empty[2].init(128)" in src and "prep_done[(c_1 % 3)]" in src
+    default = fused_fwd._build_chunk_fwd(*VARIANTS["bf16-gva2-h0"]).get_kernel_source()
+    assert ("prep_done[2]" in default) == fused_fwd.POUT_TRIPLE
+
+
 def test_build_with_rejects_out_of_step_arguments():
     """A switch list or argument tuple that does not line up with the builder's parameters raises instead of
     shifting every switch onto its neighbour (session 9 hit this while adding a switch)."""

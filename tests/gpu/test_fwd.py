@@ -183,7 +183,8 @@ def test_offsets_past_2_31_elements():
 # kernel and is held to the same reference checks (ragged edges + padding, fp16/no h0/v-first, GVA4, V=256).
 VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SWITCH_SETS = {"plain-order": {"overlap": False}, "no-early-release": {"early_release": not fused_fwd.EARLY_RELEASE},
-               "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "split-store": {"split_store": not fused_fwd.SPLIT_STORE}}
+               "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "split-store": {"split_store": not fused_fwd.SPLIT_STORE},
+               "pout-triple": {"pout_triple": not fused_fwd.POUT_TRIPLE}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))

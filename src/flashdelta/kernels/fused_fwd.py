@@ -69,9 +69,14 @@ PDL_SYNC = False
 # the period; in the work-items build (branch exp/fwd-work-items) it became the pacer and the split removed the
 # state WG's 0.4 us/chunk o_empty wait. Off until measured on this kernel.
 SPLIT_STORE = False
+# Three buffers for the prep warpgroup's products (Ae, Pg, R, dq, e_L) instead of two, so the prep warpgroup can run
+# two chunks ahead of the state warpgroup. Session 9: the state warpgroup spends ~20% of its time waiting on
+# prep_done at 128 CTAs (Nsight Compute), and with two buffers the prep has one state period between a buffer's
+# release and the state warpgroup's need of its next contents. Off until measured.
+POUT_TRIPLE = False
 # The builder's trailing switches, in its positional order: `builder_args` ends with the launcher's values and
 # `build` overrides them by name (always passing all of them positionally, so a switch set has one cache key).
-SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store")
+SWITCHES = ("overlap", "early_release", "profile", "pdl", "split_store", "pout_triple")
 
 # Every cross-role hand-off is an mbarrier; the only intra-warpgroup barrier is written out explicitly. TileLang's
 # automatic syncs would land inside per-element loops (it cannot prove in-place updates are thread-private).
@@ -86,10 +91,11 @@ LOG2E = 1.4426950408889634
 def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: str, beta_dtype: str,
                      h0_dtype: str, scale: float, has_initial_state: bool, state_v_first: bool,
                      store_final_state: bool, overlap: bool = True, early_release: bool = False,
-                     profile: bool = False, pdl: bool = False, split_store: bool = False):
+                     profile: bool = False, pdl: bool = False, split_store: bool = False,
+                     pout_triple: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; pout_triple: see `POUT_TRIPLE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
     with False the kernel is the uninstrumented one.
     """
     # problem config
@@ -99,6 +105,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     # tiling config
     NS = NUM_STAGES
     NO = 2                          # o staging buffers (three measured in session 9: no gain)
+    NP = 3 if pout_triple else 2    # buffers of the prep warpgroup's products
     THREADS = 384
     assert BT == 64 and BV == 64 and K in (64, 128) and V % BV == 0 and HV % H == 0
 
@@ -169,7 +176,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     def release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx):
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
-        T.barrier_arrive(pout_empty[c % 2])
+        T.barrier_arrive(pout_empty[c % NP])
         mark(c, "s.released")
         T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
         mark(c, "s.o_empty")
@@ -221,7 +228,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
         # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
-            pb = c % 2
+            pb = c % NP
             ln = T.min(eos - (bos + c * BT), BT)
             mark(c, "p.begin")
             wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
@@ -231,7 +238,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             mark(c, "p.qk_issued")
-            T.barrier_wait(pout_empty[pb], ((c // 2) % 2) ^ 1)
+            T.barrier_wait(pout_empty[pb], ((c // NP) % 2) ^ 1)
             mark(c, "p.pout")
             T.wait_wgmma(0)
             mark(c, "p.qk_done")
@@ -287,18 +294,18 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
-            ae_s = T.alloc_shared((2, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
-            pg_s = T.alloc_shared((2, BT, BT), dtype)
-            r_s = T.alloc_shared((2, BT), acc)             # exp(G_last - G_t), 0 past the end
-            dq_s = T.alloc_shared((2, BT), acc)            # scale * exp(G_t)
-            el_s = T.alloc_shared((2, 1), acc)             # exp(G_last)
+            ae_s = T.alloc_shared((NP, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
+            pg_s = T.alloc_shared((NP, BT, BT), dtype)
+            r_s = T.alloc_shared((NP, BT), acc)             # exp(G_last - G_t), 0 past the end
+            dq_s = T.alloc_shared((NP, BT), acc)            # scale * exp(G_t)
+            el_s = T.alloc_shared((NP, 1), acc)             # exp(G_last)
             o_s = T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
             empty = T.alloc_barrier([128] * NS)      # state WG releases the ring slot (q/k part if early_release)
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (early_release)
-            prep_done = T.alloc_barrier([128] * 2)
-            pout_empty = T.alloc_barrier([128] * 2)  # state WG releases ae/pg/r/dq
+            prep_done = T.alloc_barrier([128] * NP)
+            pout_empty = T.alloc_barrier([128] * NP)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * NO)
             o_empty = T.alloc_barrier([64 if split_store else 32] * NO)   # the store warp(s)
 
@@ -368,14 +375,14 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 T.barrier_arrive(empty_va[0])
                             for c in T.serial(NT - 1):
                                 st1 = (c + 1) % NS
-                                pb1 = (c + 1) % 2
+                                pb1 = (c + 1) % NP
                                 mark(c, "s.fin_begin")
-                                finish_chunk(c % NS, c % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
+                                finish_chunk(c % NS, c % NP, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
                                              dq_s, mark.later(c, "s.fin_o1"))
                                 mark(c, "s.fin_end")
                                 T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
                                 mark(c + 1, "s.full")
-                                T.barrier_wait(prep_done[pb1], ((c + 1) // 2) % 2)
+                                T.barrier_wait(prep_done[pb1], ((c + 1) // NP) % 2)
                                 mark(c + 1, "s.prep")
                                 T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
                                              transpose_B=True, clear_accum=True)
@@ -389,7 +396,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                                 if early_release:
                                     T.barrier_arrive(empty_va[st1])
                             mark(NT - 1, "s.fin_begin")
-                            finish_chunk((NT - 1) % NS, (NT - 1) % 2, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
+                            finish_chunk((NT - 1) % NS, (NT - 1) % NP, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s,
                                          pg_s, r_s, dq_s, mark.later(NT - 1, "s.fin_o1"))
                             mark(NT - 1, "s.fin_end")
                             T.wait_wgmma(0)
@@ -398,10 +405,10 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                     else:
                         for c in T.serial(NT):
                             st = c % NS
-                            pb = c % 2
+                            pb = c % NP
                             T.barrier_wait(full[st], (c // NS) % 2)
                             mark(c, "s.full")
-                            T.barrier_wait(prep_done[pb], (c // 2) % 2)
+                            T.barrier_wait(prep_done[pb], (c // NP) % 2)
                             mark(c, "s.prep")
                             # Vd^T = V^T Ag^T + (W S0)^T ; O^T = S0^T Q^T
                             T.wgmma_gemm(v_s[st, :, :], a_s[st, :, :], vd_f, transpose_A=True, transpose_B=True,
@@ -506,7 +513,7 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
     `len(SWITCHES)` entries are the launcher's switch values."""
     return (H, HV, K, V, BLOCK_V, BT_DEFAULT, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype], _TORCH_TO_TL[h0_dtype],
             float(scale), bool(has_initial_state), bool(state_v_first), True, OVERLAP, EARLY_RELEASE, False,
-            PDL_SYNC, SPLIT_STORE)
+            PDL_SYNC, SPLIT_STORE, POUT_TRIPLE)
 
 
 def build(args: tuple, **switches):

@@ -13,6 +13,7 @@ the work-items experiment's `_fused_fwd_wiu`, whose kernels take the CTA count a
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import subprocess
@@ -35,8 +36,6 @@ def main():
     args = ap.parse_args()
 
     import torch
-
-    import importlib
 
     from profile_fwd import make_inputs
 
@@ -83,7 +82,8 @@ def main():
             continue
     nt = (args.tokens + 63) // 64
     print(f"\n{torch.cuda.get_device_name()} | fused forward, 1x{args.tokens}, back-to-back launches")
-    print(f"{'heads':>20} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}  throttle")
+    print(f"{'heads':>20} {'CTAs':>5} {'ms':>8} {'us/chunk':>9} {'SM MHz':>7} {'mem MHz':>8} {'W':>6} {'C':>4}"
+          "  throttle")
     for (spec, ctas, ms, _), (_, t0, t1) in zip(results, windows):
         sel = [s for s in samples if t0 - 1 <= s[0] <= t1]
         if not sel:

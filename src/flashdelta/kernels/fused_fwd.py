@@ -23,7 +23,8 @@ S0^T Xn^T: one GEMM fewer on the chain, a 64 x 128 x 64 GEMM more in the prep; m
   conversion run under chunk c's tail, chunk c's o staging under chunk c+1's last Vd GEMM), then O^T -> o_shared
   for the store warp (packed conversion and stmatrix.trans; rows padded).
 - WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
-  scale*exp(G), exp(G_last); runs one chunk ahead of WG0. Branch-free element-wise code (`T.Select`).
+  scale*exp(G), exp(G_last); runs up to two chunks ahead of WG0 (three product buffers). Branch-free
+  element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
   slot (rows past the sequence end get g[eos-1] and beta = 0); warp 1 stores o rows with a 16-byte PTX loop
   (with the `split_store` switch warp 3 takes rows 32-63).
@@ -96,8 +97,8 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
                      pout_triple: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic.
 
-    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; pout_triple: see `POUT_TRIPLE`. profile=True adds the output ``prof`` (see `PROF_EVENTS`);
-    with False the kernel is the uninstrumented one.
+    pdl: see `PDL_SYNC`; split_store: see `SPLIT_STORE`; pout_triple: see `POUT_TRIPLE`. profile=True adds the
+    output ``prof`` (see `PROF_EVENTS`); with False the kernel is the uninstrumented one.
     """
     # problem config
     G = HV // H
@@ -226,7 +227,7 @@ def _build_chunk_fwd(H: int, HV: int, K: int, V: int, BV: int, BT: int, dtype: s
     @T.macro
     def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
                   r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
-        # The prep warpgroup, one chunk ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
+        # The prep warpgroup, up to NP - 1 chunks ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
             pb = c % NP

@@ -62,7 +62,12 @@ def _inputs(case):
 def test_prepare_fwd(case):
     from flashdelta.kernels.prepare import prepare_fwd
     k, g, beta, cu = _inputs(case)
-    g_cumsum, A = prepare_fwd(k, g, beta, cu)
+    _check_prepare_fwd(case, prepare_fwd, k, g, beta, cu)
+
+
+def _check_prepare_fwd(case, fn, k, g, beta, cu):
+    """fn's (g_cumsum, A) against the float64 twin, exact zeros where the reference has them, run-to-run bits."""
+    g_cumsum, A = fn(k, g, beta, cu)
     torch.cuda.synchronize()
     g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
     assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
@@ -72,8 +77,23 @@ def test_prepare_fwd(case):
     assert torch.all(A[zero] == 0), f"{int((A[zero] != 0).sum())} entries nonzero where the reference is 0"
     if case.pad:
         assert torch.all(g_cumsum[:, -case.pad:] == 0)
-    again = prepare_fwd(k, g, beta, cu)
+    again = fn(k, g, beta, cu)
     assert torch.equal(again[0], g_cumsum) and torch.equal(again[1], A), "run-to-run bits differ"
+    return g_cumsum, A
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prepare_fwd_pipe(case):
+    """The persistent build: the same checks, A bit-identical to the one-shot kernel's (same K K^T and inverse
+    code), every value-head split giving the same bits."""
+    from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
+    from flashdelta.kernels.prepare_pipe import prepare_fwd_pipe
+    k, g, beta, cu = _inputs(case)
+    g_cumsum, A = _check_prepare_fwd(case, prepare_fwd_pipe, k, g, beta, cu)
+    assert torch.equal(A, prepare_fwd(k, g, beta, cu)[1]), "A differs from the one-shot kernel's"
+    for hpc in heads_per_cta_options(case.H, case.HV)[1:]:
+        split = prepare_fwd_pipe(k, g, beta, cu, heads_per_cta=hpc)
+        assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"heads_per_cta={hpc}"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9], CASES[11]], ids=str)

@@ -1,0 +1,95 @@
+"""A/B: `prepare_fwd` one-shot CTAs (prepare.py) vs the persistent pipelined build (prepare_pipe.py).
+
+    source .device/bootstrap.sh; python3 -u bench/exp_prepare_pipe.py [--rows h16v64/1x32768,...] [--rounds 4]
+    python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
+
+Per row (the grid's head configs and sequence splits): the same inputs to both builds; A must be bit-identical
+and g_cumsum within fp32 rounding (max abs difference printed); then CUDA-graph medians with an L2 flush,
+interleaved rounds (bench/timing.py). The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+ROWS = ("h16v64/1x32768,h16v64/4096x8,h16v64/1024x8,h16v16/1x32768,h16v16/4096x8,h16v16/1024x8,"
+        "h16v32/4096x8,h16v48/4096x8,h2v8/1x32768,h8v24/1x8192")
+K = 128
+
+
+def parse(row):
+    heads, seqs = row.split("/")
+    H, HV = (int(x) for x in heads[1:].split("v"))
+    L, n = (int(x) for x in seqs.split("x"))
+    return H, HV, L, n
+
+
+def inputs(H, HV, L, n, seed=0):
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = L * n
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen, device="cuda"), dim=-1).bfloat16()
+    g = F.logsigmoid(torch.randn(1, T, HV, generator=gen, device="cuda")) / 16
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen, device="cuda"))
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+    return k, g, beta, cu
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    rows = args.rows.split(",")
+
+    import torch
+
+    from flashdelta.kernels import prepare, prepare_pipe
+
+    if args.compile_only:
+        for row in rows:
+            H, HV, L, n = parse(row)
+            hpc = prepare.pick_heads_per_cta(H, HV, L * n)
+            prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32, hpc))
+            prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32))
+            print("compiled", row, flush=True)
+        return
+
+    from timing import L2Flush, make_runner, time_runners
+
+    stream = torch.cuda.Stream()
+    flush = L2Flush()
+    table = []
+    for row in rows:
+        H, HV, L, n = parse(row)
+        k, g, beta, cu = inputs(H, HV, L, n)
+        old = prepare.prepare_fwd(k, g, beta, cu)
+        new = prepare_pipe.prepare_fwd_pipe(k, g, beta, cu)
+        torch.cuda.synchronize()
+        same_a = torch.equal(old[1], new[1])
+        dg = (old[0] - new[0]).abs().max().item()
+        runners = {
+            "one-shot": make_runner(lambda: prepare.prepare_fwd(k, g, beta, cu), stream=stream),
+            "pipe": make_runner(lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu), stream=stream),
+        }
+        res = time_runners(runners, stream=stream, rounds=args.rounds, flush=flush)
+        t_old, t_new = res["one-shot"].median, res["pipe"].median
+        table.append((row, t_old, t_new, same_a, dg))
+        print(f"{row:18s} one-shot {t_old:.4f} pipe {t_new:.4f} ms ({t_new / t_old - 1:+.1%}) A equal {same_a} "
+              f"max|dg| {dg:.1e}", flush=True)
+    print("\n| row | one-shot ms | pipe ms | change | A bit-equal | max abs g_cumsum diff |")
+    print("|---|---|---|---|---|---|")
+    for row, a, b, same, dg in table:
+        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {same} | {dg:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,10 @@
     source .device/bootstrap.sh; python3 -u bench/exp_prepare_pipe.py [--rows h16v64/1x32768,...] [--rounds 4]
     python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
 
-Per row (the grid's head configs and sequence splits): the same inputs to both builds; A must be bit-identical
-and g_cumsum within fp32 rounding (max abs difference printed); then CUDA-graph medians with an L2 flush,
-interleaved rounds (bench/timing.py). The table is printed last.
+Per row (the grid's head configs and sequence splits): the same inputs to the one-shot build and to the persistent
+one with one and with two consumer warpgroups; A must be bit-identical and g_cumsum within fp32 rounding (max abs
+difference printed); then CUDA-graph medians with an L2 flush, interleaved rounds (bench/timing.py). The table is
+printed last.
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ K = 128
 
 
 def parse(row):
+    """'h16v64/4096x8' -> (16, 64, 4096, 8); the grid writes one sequence as '1x32768'."""
     heads, seqs = row.split("/")
     H, HV = (int(x) for x in heads[1:].split("v"))
-    L, n = (int(x) for x in seqs.split("x"))
+    a, b = (int(x) for x in seqs.split("x"))
+    L, n = (b, 1) if a == 1 else (a, b)
     return H, HV, L, n
 
 
@@ -59,7 +62,9 @@ def main():
             H, HV, L, n = parse(row)
             hpc = prepare.pick_heads_per_cta(H, HV, L * n)
             prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32, hpc))
-            prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32))
+            for cw in (1, 2):
+                prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16,
+                                                                                 torch.float32, consumers=cw))
             print("compiled", row, flush=True)
         return
 
@@ -72,23 +77,26 @@ def main():
         H, HV, L, n = parse(row)
         k, g, beta, cu = inputs(H, HV, L, n)
         old = prepare.prepare_fwd(k, g, beta, cu)
-        new = prepare_pipe.prepare_fwd_pipe(k, g, beta, cu)
-        torch.cuda.synchronize()
-        same_a = torch.equal(old[1], new[1])
-        dg = (old[0] - new[0]).abs().max().item()
-        runners = {
-            "one-shot": make_runner(lambda: prepare.prepare_fwd(k, g, beta, cu), stream=stream),
-            "pipe": make_runner(lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu), stream=stream),
-        }
+        fns = {"one-shot": lambda: prepare.prepare_fwd(k, g, beta, cu),
+               "pipe-1wg": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, consumers=1),
+               "pipe-2wg": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, consumers=2)}
+        checks = []
+        for name in ("pipe-1wg", "pipe-2wg"):
+            new = fns[name]()
+            torch.cuda.synchronize()
+            checks.append(f"{name}: A {'bit-equal' if torch.equal(old[1], new[1]) else 'DIFFERS'}, "
+                          f"max|dg| {(old[0] - new[0]).abs().max().item():.1e}")
+        runners = {name: make_runner(fn, stream=stream) for name, fn in fns.items()}
         res = time_runners(runners, stream=stream, rounds=args.rounds, flush=flush)
-        t_old, t_new = res["one-shot"].ms, res["pipe"].ms
-        table.append((row, t_old, t_new, same_a, dg))
-        print(f"{row:18s} one-shot {t_old:.4f} pipe {t_new:.4f} ms ({t_new / t_old - 1:+.1%}) A equal {same_a} "
-              f"max|dg| {dg:.1e}", flush=True)
-    print("\n| row | one-shot ms | pipe ms | change | A bit-equal | max abs g_cumsum diff |")
+        ms = [res[name].ms for name in fns]
+        pick = prepare_pipe.pick_consumers(K, HV // H)
+        table.append((row, *ms, pick, "; ".join(checks)))
+        print(f"{row:18s} " + " ".join(f"{n} {t:.4f}" for n, t in zip(fns, ms)) + f" | pick {pick} | "
+              + "; ".join(checks), flush=True)
+    print("\n| row | one-shot ms | pipe 1 WG ms | pipe 2 WG ms | launcher pick vs one-shot | checks |")
     print("|---|---|---|---|---|---|")
-    for row, a, b, same, dg in table:
-        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {same} | {dg:.1e} |")
+    for row, a, b1, b2, pick, checks in table:
+        print(f"| {row} | {a:.4f} | {b1:.4f} | {b2:.4f} | {(b1, b2)[pick - 1] / a - 1:+.1%} ({pick} WG) | {checks} |")
 
 
 if __name__ == "__main__":

@@ -288,8 +288,8 @@ WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse
 # prepare_fwd's producer warp (the persistent build, `prepare_pipe`): whole-warp helpers, every lane calls them.
 # fd_find_seq: the last sequence n in [0, n_seqs] with cu[n] / bt + n <= slot (the chunk-slot numbering of
 # `prepare`'s module docstring), by a 32-way search per step (one step for up to 31 sequences).
-# fd_gate_cumsum: the inclusive cumsum of one value head's gate column over a chunk, rows [0, rows) read from g and
-# written to gc (rows `pitch` floats apart), two rows per lane and a shuffle scan; zeros instead when `zero`.
+# fd_gate_cumsum<G>: the inclusive cumsums of G adjacent value heads' gate columns over a chunk, rows [0, rows) read
+# from g and written to gc (rows `pitch` floats apart), two rows per lane and a shuffle scan; zeros when `zero`.
 PRODUCER_PRELUDE = r"""
 __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, int bt, int lane) {
   int lo = 0, width = n_seqs + 1;
@@ -303,18 +303,30 @@ __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, 
   }
   return lo;
 }
+// the G value heads of an item at once (g, gc point at head 0; heads are adjacent): every load issued first
+template <int G>
 __device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long long pitch, int rows, bool zero,
                                                int lane) {
-  float x0 = !zero && lane < rows ? g[lane * pitch] : 0.f;
-  float x1 = !zero && lane + 32 < rows ? g[(lane + 32) * pitch] : 0.f;
+  float x0[G], x1[G];
+  #pragma unroll
+  for (int j = 0; j < G; ++j) {
+    x0[j] = !zero && lane < rows ? g[lane * pitch + j] : 0.f;
+    x1[j] = !zero && lane + 32 < rows ? g[(lane + 32) * pitch + j] : 0.f;
+  }
   #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const float y0 = __shfl_up_sync(0xffffffffu, x0, d);
-    const float y1 = __shfl_up_sync(0xffffffffu, x1, d);
-    if (lane >= d) { x0 += y0; x1 += y1; }
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float y0 = __shfl_up_sync(0xffffffffu, x0[j], d);
+      const float y1 = __shfl_up_sync(0xffffffffu, x1[j], d);
+      if (lane >= d) { x0[j] += y0; x1[j] += y1; }
+    }
   }
-  x1 += __shfl_sync(0xffffffffu, x0, 31);
-  if (lane < rows) gc[lane * pitch] = x0;
-  if (lane + 32 < rows) gc[(lane + 32) * pitch] = x1;
+  #pragma unroll
+  for (int j = 0; j < G; ++j) {
+    x1[j] += __shfl_sync(0xffffffffu, x0[j], 31);
+    if (lane < rows) gc[lane * pitch + j] = x0[j];
+    if (lane + 32 < rows) gc[(lane + 32) * pitch + j] = x1[j];
+  }
 }
 """

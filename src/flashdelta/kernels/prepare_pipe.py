@@ -6,16 +6,19 @@ after the other, so each CTA spends about a third of its life waiting for its ke
 10.5 us, of which 3.4 loading and 0.75 in the cumsum). Here a grid of `blocks` CTAs per SM walks the work items
 (chunk slot, key head, value-head group) round robin, and each CTA splits the roles:
 
-- producer warp (warp 4): finds the item's chunk (a 32-way search of cu_seqlens), TMA-loads the key tile into a
-  2-slot ring, writes beta (0 past the sequence end) next to it, and writes the chunk-local cumsum of g straight to
-  g_cumsum (a shuffle scan per value head): the loads of item i+1 run under item i's inverse;
-- consumer warpgroup (warps 0-3): zeroes key rows past the sequence end, K K^T on wgmma, the split into the
-  inverse's inputs, then each warp inverts one value head (`_ptx.WY_INVERSE_PRELUDE`, as in `prepare`). The first
-  `NWK` warps' workspaces live in the slot's dead key tile, so the slot is released after the inverse.
+- producer warp (the last warp): finds the item's chunk (a 32-way search of cu_seqlens), TMA-loads the key tile
+  into a ring of CW + 1 slots, writes beta (0 past the sequence end) next to it and hands the slot over; then it
+  writes the chunk-local cumsum of g straight to g_cumsum (a shuffle scan, all value heads' loads at once), which
+  nothing on the chip waits for. The loads of the next items run under the current items' inverses.
+- CW consumer warpgroups (`pick_consumers`: 1, or 2 where that puts more inverting warps on an SM), taking the
+  CTA's items in turn: zero key rows past the sequence end, K K^T on wgmma, the split into the inverse's inputs,
+  then each warp inverts one value head (`_ptx.WY_INVERSE_PRELUDE`, as in `prepare`). The first `NWK` warps'
+  workspaces live in the slot's dead key tile, so a slot is released after the inverse.
 
-Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 consumer arrivals); slot s = i % 2 for the
-CTA's i-th item, parity (i // 2) % 2. Every item is published, idle ones (a slot past its sequence's last chunk)
-with kind 0, so both roles walk the same list.
+Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 arrivals of the warpgroup that took the
+item); slot s = i % (CW + 1) for the CTA's i-th item, parity (i // (CW + 1)) % 2. Every item is published, idle ones
+(a slot past its sequence's last chunk) with kind 0, so all roles walk the same list. Each consumer warpgroup has
+its own named barrier (1 + w).
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import functools
@@ -27,20 +30,21 @@ import torch
 from . import _ptx, _tl
 from .prepare import BF16, F32, NW, SUPPORTED_K, _TORCH_TO_TL, _hpc_key
 
-NS = 2                      # key-tile ring slots
-CONSUMERS = 128             # the K K^T warpgroup, one value head per warp in the inverse
-THREADS = CONSUMERS + 32    # + the producer warp
+CONSUMERS = 128             # threads of a consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
 SMEM_PER_SM = 227 * 1024    # usable shared memory per SM (H100/H200), less 1 KB reserved per CTA below
 MAX_BLOCKS = 4
+MIN_REGS = 96               # registers per thread a build may be squeezed to (ptxas: the inverse spills a little here)
 IDLE, REAL, PAD = 0, 1, 2   # item kinds (meta_s[s, 2])
 
-# TileLang would put __syncthreads (all 160 threads) where it cannot prove a buffer is thread-private; the roles
-# synchronise with mbarriers and the consumer warpgroup's named barrier only.
+# TileLang would put __syncthreads (all threads) where it cannot prove a buffer is thread-private; the roles
+# synchronise with mbarriers and each consumer warpgroup's named barrier only.
 _PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl.disable_thread_storage_sync": True}
 
 
-def _layout(K: int, G: int, k_bytes: int = 2) -> dict:
-    """Shared-memory plan of one CTA: bytes per buffer, the warps whose workspace lives in the key tile (NWK)."""
+def _layout(K: int, G: int, CW: int, k_bytes: int = 2) -> dict:
+    """Shared-memory plan of one CTA with CW consumer warpgroups (a ring of CW + 1 key-tile slots): bytes per
+    buffer, the warps whose workspace lives in the key tile (NWK)."""
+    NS = CW + 1
     NWS = min(G, NW)
     NWK = min(NWS, 64 * K * k_bytes // (4 * _ptx.WY_WS_FLOATS))
     GB = 1 << (G - 1).bit_length()
@@ -48,33 +52,43 @@ def _layout(K: int, G: int, k_bytes: int = 2) -> dict:
         "k": NS * 64 * K * k_bytes,
         "beta": NS * 64 * GB * 4,
         "meta": NS * 4 * 4,
-        "kkd": 4 * 16 * 17 * 4,
-        "l": 2 * 48 * _ptx.WY_LP * 2,
-        "ws": (NWS - NWK) * _ptx.WY_WS_FLOATS * 4,
+        "kkd": CW * 4 * 16 * 17 * 4,
+        "l": CW * 2 * 48 * _ptx.WY_LP * 2,
+        "ws": CW * (NWS - NWK) * _ptx.WY_WS_FLOATS * 4,
     }
-    return {"bytes": sum(parts.values()), "NWS": NWS, "NWK": NWK, "GB": GB, **parts}
+    return {"bytes": sum(parts.values()), "NS": NS, "NWS": NWS, "NWK": NWK, "GB": GB, **parts}
 
 
-def blocks_per_sm(K: int, G: int) -> int:
-    """CTAs per SM the shared memory allows (at most `MAX_BLOCKS`)."""
-    return max(1, min(MAX_BLOCKS, SMEM_PER_SM // (_layout(K, G)["bytes"] + 1024)))
+def blocks_per_sm(K: int, G: int, CW: int) -> int:
+    """CTAs per SM the shared memory and `MIN_REGS` registers per thread allow (at most `MAX_BLOCKS`)."""
+    by_regs = 65536 // ((CW * CONSUMERS + 32) * MIN_REGS)
+    return max(1, min(MAX_BLOCKS, by_regs, SMEM_PER_SM // (_layout(K, G, CW)["bytes"] + 1024)))
+
+
+def pick_consumers(K: int, G: int) -> int:
+    """Consumer warpgroups per CTA: two where that puts more inverting warps on an SM (GVA 3-4 at K = 128: 2 CTAs
+    x 2 warpgroups instead of 3 x 1), else one."""
+    return 2 if 2 * blocks_per_sm(K, G, 2) > blocks_per_sm(K, G, 1) else 1
 
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                            heads_per_cta: int = 0, num_sms: int = 132):
+                            heads_per_cta: int = 0, num_sms: int = 132, consumers: int = 1):
     """heads_per_cta as in `prepare._build_prepare_fwd` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(K, G)` CTAs (fewer when there are fewer items)."""
+    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items); consumers: warpgroups per CTA taking
+    the CTA's items in turn (`pick_consumers`)."""
     # problem config
-    assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
+    assert BT == 64 and HV % H == 0 and K in SUPPORTED_K and consumers in (1, 2)
     G = heads_per_cta or HV // H    # value heads per item
     NG = HV // H // G               # items per (chunk slot, key head)
     assert (HV // H) % G == 0
     NY = H * NG
-    lay = _layout(K, G)
-    GB, NWS, NWK = lay["GB"], lay["NWS"], lay["NWK"]
-    blocks = blocks_per_sm(K, G)
+    CW = consumers
+    lay = _layout(K, G, CW)
+    NS, GB, NWS, NWK = lay["NS"], lay["GB"], lay["NWS"], lay["NWK"]
+    blocks = blocks_per_sm(K, G, CW)
     NC = num_sms * blocks           # CTAs of a full grid
+    THREADS = CW * CONSUMERS + 32   # + the producer warp
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
     B16 = 16
@@ -98,19 +112,23 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
             k_s = T.alloc_shared((NS, BT, K), k_dtype)
             beta_s = T.alloc_shared((NS, BT, GB), F32)
             meta_s = T.alloc_shared((NS, 4), "int32")      # t0, eos - t0, kind
-            # the inverse's inputs, as in `prepare`: K K^T's diagonal blocks in fp32 and its lower blocks as bf16
-            # hi/lo (unscaled; beta scales rows per value head)
-            kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
-            l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
-            l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
-            ws = T.alloc_shared((NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else None
+            # per consumer warpgroup, the inverse's inputs as in `prepare`: K K^T's diagonal blocks in fp32 and its
+            # lower blocks as bf16 hi/lo (unscaled; beta scales rows per value head), and the workspaces of the
+            # warps beyond the NWK that use the item's dead key tile
+            kkd_shared = T.alloc_shared((CW, 4, B16, B16 + 1), F32)
+            l_hi = T.alloc_shared((CW, BT - B16, _ptx.WY_LP), BF16)
+            l_lo = T.alloc_shared((CW, BT - B16, _ptx.WY_LP), BF16)
+            ws = T.alloc_shared((CW, NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else None
             full = T.alloc_barrier([32] * NS)
             empty = T.alloc_barrier([CONSUMERS] * NS)
 
-            if tx < CONSUMERS:
-                # ================= consumer warpgroup =================
+            if tx < CW * CONSUMERS:
+                # ================= consumer warpgroups: warpgroup w takes the CTA's items w, w + CW, ... =========
+                w = tx // CONSUMERS
+                wtx = tx % CONSUMERS
                 kk_frag = T.alloc_fragment((BT, BT), F32)
-                for i in T.serial(n_my):
+                for ii in T.serial(T.ceildiv(n_my - w, CW)):
+                    i = ii * CW + w
                     it = bx + i * NC
                     hv0 = (it % NY) * G
                     s = i % NS
@@ -126,27 +144,27 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                                     k_s[s, r, d] = T.cast(0, k_dtype)
                             T.fence_proxy_async()
                         # also: every warp has finished the previous item's inverse (kkd, l_hi, l_lo are free)
-                        T.sync_threads(1, CONSUMERS)
+                        T.sync_threads(1 + w, CONSUMERS)
                         T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_frag, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         for r, c in T.Parallel(BT, BT):
                             if r // B16 == c // B16:
-                                kkd_shared[r // B16, r % B16, c % B16] = kk_frag[r, c]
+                                kkd_shared[w, r // B16, r % B16, c % B16] = kk_frag[r, c]
                             if c // B16 < r // B16:
-                                l_hi[r - B16, c] = T.cast(kk_frag[r, c], BF16)
-                                l_lo[r - B16, c] = T.cast(kk_frag[r, c] - T.cast(T.cast(kk_frag[r, c], BF16), F32),
-                                                          BF16)
-                        T.sync_threads(1, CONSUMERS)
-                        warp = tx // 32
+                                l_hi[w, r - B16, c] = T.cast(kk_frag[r, c], BF16)
+                                l_lo[w, r - B16, c] = T.cast(kk_frag[r, c] - T.cast(T.cast(kk_frag[r, c], BF16), F32),
+                                                             BF16)
+                        T.sync_threads(1 + w, CONSUMERS)
+                        warp = wtx // 32
                         for rnd in T.serial(T.ceildiv(G, NW)):
                             j = rnd * NW + warp
                             jc = T.min(j, G - 1)
-                            T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
-                                          T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
+                            T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[w, 0, 0]),
+                                          T.address_of(l_lo[w, 0, 0]), T.address_of(kkd_shared[w, 0, 0, 0]),
                                           T.address_of(beta_s[s, 0, jc]), GB, T.address_of(k_s[s, 0, 0]), NWK,
-                                          T.address_of(ws[0, 0]) if ws is not None else T.address_of(k_s[s, 0, 0]),
+                                          T.address_of(ws[w, 0, 0]) if ws is not None else T.address_of(k_s[s, 0, 0]),
                                           T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
-                                          T.cast(HV * BT, "int64"), ln, j < G, tx)
+                                          T.cast(HV * BT, "int64"), ln, j < G, wtx)
                     elif kind == PAD:
                         # padding tail [cu_seqlens[N], T): A = 0
                         for j in T.serial(G):
@@ -158,7 +176,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                     T.barrier_arrive(empty[s])
             else:
                 # ================= producer warp =================
-                lane = tx - CONSUMERS
+                lane = tx - CW * CONSUMERS
                 for i in T.serial(n_my):
                     it = bx + i * NC
                     i_s = it // NY
@@ -170,31 +188,33 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                     t0 = bos + (i_s - bos // BT - seq) * BT
                     eos = T.if_then_else(seq < n_seqs, cu_seqlens[T.min(seq + 1, n_seqs)], n_tok)
                     T.barrier_wait(empty[s], ((i // NS) % 2) ^ 1)
-                    if t0 < eos:
-                        if seq < n_seqs:
-                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
-                            for r, j in T.Parallel(BT, G):
-                                tt = T.cast(T.min(t0 + r, eos - 1), "int64")
-                                beta_s[s, r, j] = T.Select(t0 + r < eos, T.cast(beta[0, tt, hv0 + j], F32), 0.0)
-                        for j in T.serial(G):
-                            T.call_extern("handle", "fd_gate_cumsum",
-                                          T.address_of(g[0, T.cast(t0, "int64"), hv0 + j]),
-                                          T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0 + j]),
-                                          T.cast(HV, "int64"), eos - t0, seq == n_seqs, lane)
+                    if (t0 < eos) & (seq < n_seqs):
+                        T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
+                        for r, j in T.Parallel(BT, G):
+                            tt = T.cast(T.min(t0 + r, eos - 1), "int64")
+                            beta_s[s, r, j] = T.Select(t0 + r < eos, T.cast(beta[0, tt, hv0 + j], F32), 0.0)
                     if lane == 0:
                         meta_s[s, 0] = t0
                         meta_s[s, 1] = eos - t0
                         meta_s[s, 2] = T.if_then_else(t0 < eos, T.if_then_else(seq < n_seqs, REAL, PAD), IDLE)
                     T.barrier_arrive(full[s])
+                    # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for it)
+                    if t0 < eos:
+                        T.call_extern("handle", f"fd_gate_cumsum<{G}>",
+                                      T.address_of(g[0, T.cast(t0, "int64"), hv0]),
+                                      T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
+                                      T.cast(HV, "int64"), eos - t0, seq == n_seqs, lane)
 
     return prepare_fwd_pipe_kernel
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = 132) -> tuple:
-    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`."""
+                 num_sms: int = 132, consumers: int = 0) -> tuple:
+    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`.
+    consumers 0: `pick_consumers`."""
+    G = heads_per_cta or HV // H
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            int(num_sms))
+            int(num_sms), int(consumers or pick_consumers(K, G)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,7 +223,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     chunk_size: int = 64, heads_per_cta: int = 0) -> tuple:
+                     chunk_size: int = 64, heads_per_cta: int = 0, consumers: int = 0) -> tuple:
     """`prepare.prepare_fwd` by the persistent kernel: same arguments and results (A bit-identical; g_cumsum
     summed in another order). heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
     from .prepare import _check_cu_seqlens  # noqa: PLC0415
@@ -220,6 +240,7 @@ def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_se
     A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
-    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms(k.device)))
+    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms(k.device),
+                                                   consumers))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A

@@ -4,7 +4,7 @@
     python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
 
 Per row (the grid's head configs and sequence splits): the same inputs to the one-shot build and to the persistent
-one with one and with two consumer warpgroups; A must be bit-identical and g_cumsum within fp32 rounding (max abs
+one; A must be bit-identical and g_cumsum within fp32 rounding (max abs
 difference printed); then CUDA-graph medians with an L2 flush, interleaved rounds (bench/timing.py). The table is
 printed last.
 """
@@ -18,8 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-ROWS = ("h16v64/1x32768,h16v64/4096x8,h16v64/1024x8,h16v16/1x32768,h16v16/4096x8,h16v16/1024x8,"
-        "h16v32/4096x8,h16v48/4096x8,h2v8/1x32768,h8v24/1x8192")
+ROWS = ("h16v64/1x32768,h16v64/4096x8,h16v64/1024x8,h16v16/1x32768,h16v16/4096x8,h16v16/1024x8,h16v16/1x4096,"
+        "h16v32/1x32768,h16v32/4096x8,h16v32/1024x8,h16v48/1x32768,h16v48/4096x8,h16v48/1024x8,h8v24/1x8192,"
+        "h8v24/4096x8,h2v8/1x32768,h2v8/1x4096,h4v16/1x4096,h8v32/4096x8")
 K = 128
 
 
@@ -62,9 +63,7 @@ def main():
             H, HV, L, n = parse(row)
             hpc = prepare.pick_heads_per_cta(H, HV, L * n)
             prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32, hpc))
-            for cw in (1, 2):
-                prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16,
-                                                                                 torch.float32, consumers=cw))
+            prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32))
             print("compiled", row, flush=True)
         return
 
@@ -78,10 +77,9 @@ def main():
         k, g, beta, cu = inputs(H, HV, L, n)
         old = prepare.prepare_fwd(k, g, beta, cu)
         fns = {"one-shot": lambda: prepare.prepare_fwd(k, g, beta, cu),
-               "pipe-1wg": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, consumers=1),
-               "pipe-2wg": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, consumers=2)}
+               "pipe": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu)}
         checks = []
-        for name in ("pipe-1wg", "pipe-2wg"):
+        for name in ("pipe",):
             new = fns[name]()
             torch.cuda.synchronize()
             checks.append(f"{name}: A {'bit-equal' if torch.equal(old[1], new[1]) else 'DIFFERS'}, "
@@ -89,14 +87,13 @@ def main():
         runners = {name: make_runner(fn, stream=stream) for name, fn in fns.items()}
         res = time_runners(runners, stream=stream, rounds=args.rounds, flush=flush)
         ms = [res[name].ms for name in fns]
-        pick = prepare_pipe.pick_consumers(K, HV // H)
-        table.append((row, *ms, pick, "; ".join(checks)))
-        print(f"{row:18s} " + " ".join(f"{n} {t:.4f}" for n, t in zip(fns, ms)) + f" | pick {pick} | "
-              + "; ".join(checks), flush=True)
-    print("\n| row | one-shot ms | pipe 1 WG ms | pipe 2 WG ms | launcher pick vs one-shot | checks |")
-    print("|---|---|---|---|---|---|")
-    for row, a, b1, b2, pick, checks in table:
-        print(f"| {row} | {a:.4f} | {b1:.4f} | {b2:.4f} | {(b1, b2)[pick - 1] / a - 1:+.1%} ({pick} WG) | {checks} |")
+        table.append((row, *ms, "; ".join(checks)))
+        print(f"{row:18s} " + " ".join(f"{n} {t:.4f}" for n, t in zip(fns, ms)) + " | " + "; ".join(checks),
+              flush=True)
+    print("\n| row | one-shot ms | pipe ms | change | checks |")
+    print("|---|---|---|---|---|")
+    for row, a, b, checks in table:
+        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {checks} |")
 
 
 if __name__ == "__main__":

@@ -7,18 +7,22 @@ after the other, so each CTA spends about a third of its life waiting for its ke
 (chunk slot, key head, value-head group) round robin, and each CTA splits the roles:
 
 - producer warp (the last warp): finds the item's chunk (a 32-way search of cu_seqlens), TMA-loads the key tile
-  into a ring of CW + 1 slots, writes beta (0 past the sequence end) next to it and hands the slot over; then it
+  into a 2-slot ring, writes beta (0 past the sequence end) next to it and hands the slot over; then it
   writes the chunk-local cumsum of g straight to g_cumsum (a shuffle scan, all value heads' loads at once), which
   nothing on the chip waits for. The loads of the next items run under the current items' inverses.
-- CW consumer warpgroups (`pick_consumers`: 1, or 2 where that puts more inverting warps on an SM), taking the
-  CTA's items in turn: zero key rows past the sequence end, K K^T on wgmma, the split into the inverse's inputs,
+- consumer warpgroup: zeroes key rows past the sequence end, K K^T on wgmma, the split into the inverse's inputs,
   then each warp inverts one value head (`_ptx.WY_INVERSE_PRELUDE`, as in `prepare`). The first `NWK` warps'
   workspaces live in the slot's dead key tile, so a slot is released after the inverse.
 
-Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 arrivals of the warpgroup that took the
-item); slot s = i % (CW + 1) for the CTA's i-th item, parity (i // (CW + 1)) % 2. Every item is published, idle ones
-(a slot past its sequence's last chunk) with kind 0, so all roles walk the same list. Each consumer warpgroup has
-its own named barrier (1 + w).
+Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 consumer arrivals); slot s = i % 2 for the
+CTA's i-th item, parity (i // 2) % 2. Every item is published, idle ones (a slot past its sequence's last chunk) with
+kind 0, so both roles walk the same list.
+
+Measured (NOTES-gpu.md session 10): faster than the one-shot kernel where a CTA inverts few value heads, slower at
+GVA 4, where the one-shot kernel's 4 CTAs x 4 warps per SM keep more inverses in flight than 3 x 4 here (at GVA 4 the
+time follows the number of inverting warps per SM, not the load latency). Two consumer warpgroups per CTA (2 x 2 x 4
+warps) need the consumer code duplicated per warpgroup (TileLang lays out a fragment for the whole `if` branch's
+threads) and lost in their first, miscompiled form; not pursued.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import functools
@@ -30,9 +34,11 @@ import torch
 from . import _ptx, _tl
 from .prepare import BF16, F32, NW, SUPPORTED_K, _TORCH_TO_TL, _hpc_key
 
-CONSUMERS = 128             # threads of a consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
+NS = 2                      # key-tile ring slots
+CONSUMERS = 128             # threads of the consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
 SMEM_PER_SM = 227 * 1024    # usable shared memory per SM (H100/H200), less 1 KB reserved per CTA below
 MAX_BLOCKS = 4
+THREADS = CONSUMERS + 32    # + the producer warp
 MIN_REGS = 96               # registers per thread a build may be squeezed to (ptxas: the inverse spills a little here)
 IDLE, REAL, PAD = 0, 1, 2   # item kinds (meta_s[s, 2])
 
@@ -41,10 +47,8 @@ IDLE, REAL, PAD = 0, 1, 2   # item kinds (meta_s[s, 2])
 _PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl.disable_thread_storage_sync": True}
 
 
-def _layout(K: int, G: int, CW: int, k_bytes: int = 2) -> dict:
-    """Shared-memory plan of one CTA with CW consumer warpgroups (a ring of CW + 1 key-tile slots): bytes per
-    buffer, the warps whose workspace lives in the key tile (NWK)."""
-    NS = CW + 1
+def _layout(K: int, G: int, k_bytes: int = 2) -> dict:
+    """Shared-memory plan of one CTA: bytes per buffer, the warps whose workspace lives in the key tile (NWK)."""
     NWS = min(G, NW)
     NWK = min(NWS, 64 * K * k_bytes // (4 * _ptx.WY_WS_FLOATS))
     GB = 1 << (G - 1).bit_length()
@@ -52,43 +56,34 @@ def _layout(K: int, G: int, CW: int, k_bytes: int = 2) -> dict:
         "k": NS * 64 * K * k_bytes,
         "beta": NS * 64 * GB * 4,
         "meta": NS * 4 * 4,
-        "kkd": CW * 4 * 16 * 17 * 4,
-        "l": CW * 2 * 48 * _ptx.WY_LP * 2,
-        "ws": CW * (NWS - NWK) * _ptx.WY_WS_FLOATS * 4,
+        "kkd": 4 * 16 * 17 * 4,
+        "l": 2 * 48 * _ptx.WY_LP * 2,
+        "ws": (NWS - NWK) * _ptx.WY_WS_FLOATS * 4,
     }
-    return {"bytes": sum(parts.values()), "NS": NS, "NWS": NWS, "NWK": NWK, "GB": GB, **parts}
+    return {"bytes": sum(parts.values()), "NWS": NWS, "NWK": NWK, "GB": GB, **parts}
 
 
-def blocks_per_sm(K: int, G: int, CW: int) -> int:
+def blocks_per_sm(K: int, G: int) -> int:
     """CTAs per SM the shared memory and `MIN_REGS` registers per thread allow (at most `MAX_BLOCKS`)."""
-    by_regs = 65536 // ((CW * CONSUMERS + 32) * MIN_REGS)
-    return max(1, min(MAX_BLOCKS, by_regs, SMEM_PER_SM // (_layout(K, G, CW)["bytes"] + 1024)))
-
-
-def pick_consumers(K: int, G: int) -> int:
-    """Consumer warpgroups per CTA: two where that puts more inverting warps on an SM (GVA 3-4 at K = 128: 2 CTAs
-    x 2 warpgroups instead of 3 x 1), else one."""
-    return 2 if 2 * blocks_per_sm(K, G, 2) > blocks_per_sm(K, G, 1) else 1
+    by_regs = 65536 // (THREADS * MIN_REGS)
+    return max(1, min(MAX_BLOCKS, by_regs, SMEM_PER_SM // (_layout(K, G)["bytes"] + 1024)))
 
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                            heads_per_cta: int = 0, num_sms: int = 132, consumers: int = 1):
+                            heads_per_cta: int = 0, num_sms: int = 132):
     """heads_per_cta as in `prepare._build_prepare_fwd` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items); consumers: warpgroups per CTA taking
-    the CTA's items in turn (`pick_consumers`)."""
+    `num_sms * blocks_per_sm(K, G)` CTAs (fewer when there are fewer items)."""
     # problem config
-    assert BT == 64 and HV % H == 0 and K in SUPPORTED_K and consumers in (1, 2)
+    assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = heads_per_cta or HV // H    # value heads per item
     NG = HV // H // G               # items per (chunk slot, key head)
     assert (HV // H) % G == 0
     NY = H * NG
-    CW = consumers
-    lay = _layout(K, G, CW)
-    NS, GB, NWS, NWK = lay["NS"], lay["GB"], lay["NWS"], lay["NWK"]
-    blocks = blocks_per_sm(K, G, CW)
+    lay = _layout(K, G)
+    GB, NWS, NWK = lay["GB"], lay["NWS"], lay["NWK"]
+    blocks = blocks_per_sm(K, G)
     NC = num_sms * blocks           # CTAs of a full grid
-    THREADS = CW * CONSUMERS + 32   # + the producer warp
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
     B16 = 16
@@ -112,23 +107,20 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
             k_s = T.alloc_shared((NS, BT, K), k_dtype)
             beta_s = T.alloc_shared((NS, BT, GB), F32)
             meta_s = T.alloc_shared((NS, 4), "int32")      # t0, eos - t0, kind
-            # per consumer warpgroup, the inverse's inputs as in `prepare`: K K^T's diagonal blocks in fp32 and its
-            # lower blocks as bf16 hi/lo (unscaled; beta scales rows per value head), and the workspaces of the
-            # warps beyond the NWK that use the item's dead key tile
-            kkd_shared = T.alloc_shared((CW, 4, B16, B16 + 1), F32)
-            l_hi = T.alloc_shared((CW, BT - B16, _ptx.WY_LP), BF16)
-            l_lo = T.alloc_shared((CW, BT - B16, _ptx.WY_LP), BF16)
-            ws = T.alloc_shared((CW, NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else None
+            # the inverse's inputs as in `prepare`: K K^T's diagonal blocks in fp32 and its lower blocks as bf16
+            # hi/lo (unscaled; beta scales rows per value head), and the workspaces of the warps beyond the NWK that
+            # use the item's dead key tile
+            kkd_shared = T.alloc_shared((4, B16, B16 + 1), F32)
+            l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
+            l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
+            ws = T.alloc_shared((NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else None
             full = T.alloc_barrier([32] * NS)
             empty = T.alloc_barrier([CONSUMERS] * NS)
 
-            if tx < CW * CONSUMERS:
-                # ================= consumer warpgroups: warpgroup w takes the CTA's items w, w + CW, ... =========
-                w = tx // CONSUMERS
-                wtx = tx % CONSUMERS
+            if tx < CONSUMERS:
+                # ================= consumer warpgroup =================
                 kk_frag = T.alloc_fragment((BT, BT), F32)
-                for ii in T.serial(T.ceildiv(n_my - w, CW)):
-                    i = ii * CW + w
+                for i in T.serial(n_my):
                     it = bx + i * NC
                     hv0 = (it % NY) * G
                     s = i % NS
@@ -144,27 +136,27 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                                     k_s[s, r, d] = T.cast(0, k_dtype)
                             T.fence_proxy_async()
                         # also: every warp has finished the previous item's inverse (kkd, l_hi, l_lo are free)
-                        T.sync_threads(1 + w, CONSUMERS)
+                        T.sync_threads(1, CONSUMERS)
                         T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_frag, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         for r, c in T.Parallel(BT, BT):
                             if r // B16 == c // B16:
-                                kkd_shared[w, r // B16, r % B16, c % B16] = kk_frag[r, c]
+                                kkd_shared[r // B16, r % B16, c % B16] = kk_frag[r, c]
                             if c // B16 < r // B16:
-                                l_hi[w, r - B16, c] = T.cast(kk_frag[r, c], BF16)
-                                l_lo[w, r - B16, c] = T.cast(kk_frag[r, c] - T.cast(T.cast(kk_frag[r, c], BF16), F32),
-                                                             BF16)
-                        T.sync_threads(1 + w, CONSUMERS)
-                        warp = wtx // 32
+                                l_hi[r - B16, c] = T.cast(kk_frag[r, c], BF16)
+                                l_lo[r - B16, c] = T.cast(kk_frag[r, c] - T.cast(T.cast(kk_frag[r, c], BF16), F32),
+                                                          BF16)
+                        T.sync_threads(1, CONSUMERS)
+                        warp = tx // 32
                         for rnd in T.serial(T.ceildiv(G, NW)):
                             j = rnd * NW + warp
                             jc = T.min(j, G - 1)
-                            T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[w, 0, 0]),
-                                          T.address_of(l_lo[w, 0, 0]), T.address_of(kkd_shared[w, 0, 0, 0]),
+                            T.call_extern("handle", _ptx.WY_INVERSE[k_dtype], T.address_of(l_hi[0, 0]),
+                                          T.address_of(l_lo[0, 0]), T.address_of(kkd_shared[0, 0, 0]),
                                           T.address_of(beta_s[s, 0, jc]), GB, T.address_of(k_s[s, 0, 0]), NWK,
-                                          T.address_of(ws[w, 0, 0]) if ws is not None else T.address_of(k_s[s, 0, 0]),
+                                          T.address_of(ws[0, 0]) if ws is not None else T.address_of(k_s[s, 0, 0]),
                                           T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
-                                          T.cast(HV * BT, "int64"), ln, j < G, wtx)
+                                          T.cast(HV * BT, "int64"), ln, j < G, tx)
                     elif kind == PAD:
                         # padding tail [cu_seqlens[N], T): A = 0
                         for j in T.serial(G):
@@ -176,7 +168,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                     T.barrier_arrive(empty[s])
             else:
                 # ================= producer warp =================
-                lane = tx - CW * CONSUMERS
+                lane = tx - CONSUMERS
                 for i in T.serial(n_my):
                     it = bx + i * NC
                     i_s = it // NY
@@ -209,12 +201,10 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = 132, consumers: int = 0) -> tuple:
-    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`.
-    consumers 0: `pick_consumers`."""
-    G = heads_per_cta or HV // H
+                 num_sms: int = 132) -> tuple:
+    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            int(num_sms), int(consumers or pick_consumers(K, G)))
+            int(num_sms))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +213,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     chunk_size: int = 64, heads_per_cta: int = 0, consumers: int = 0) -> tuple:
+                     chunk_size: int = 64, heads_per_cta: int = 0) -> tuple:
     """`prepare.prepare_fwd` by the persistent kernel: same arguments and results (A bit-identical; g_cumsum
     summed in another order). heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
     from .prepare import _check_cu_seqlens  # noqa: PLC0415
@@ -240,7 +230,6 @@ def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_se
     A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
-    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms(k.device),
-                                                   consumers))
+    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms(k.device)))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A

@@ -7,11 +7,13 @@ after the other, so each CTA spends about a third of its life waiting for its ke
 (chunk slot, key head, value-head group) round robin, and each CTA splits the roles:
 
 - producer warp (the last warp): finds the item's chunk (a 32-way search of cu_seqlens), TMA-loads the key tile
-  into a 2-slot ring, writes beta (0 past the sequence end) next to it and hands the slot over; then it
-  writes the chunk-local cumsum of g straight to g_cumsum (a shuffle scan, all value heads' loads at once), which
-  nothing on the chip waits for. The loads of the next items run under the current items' inverses.
+  into a 2-slot ring, writes beta (0 past the sequence end) next to it and hands the slot over; with 4+ value
+  heads per item it then writes the chunk-local cumsum of g straight to g_cumsum (a shuffle scan, all value heads'
+  loads at once), which nothing on the chip waits for. The loads of the next items run under the current items'
+  inverses.
 - consumer warpgroup: zeroes key rows past the sequence end, K K^T on wgmma, the split into the inverse's inputs,
-  then each warp inverts one value head (`_ptx.WY_INVERSE_PRELUDE`, as in `prepare`). The first `NWK` warps'
+  then each warp inverts one value head (`_ptx.WY_INVERSE_PRELUDE`, as in `prepare`); with fewer value heads
+  than warps, warp G does the gate cumsum meanwhile (off the producer's serial chain). The first `NWK` warps'
   workspaces live in the slot's dead key tile, so a slot is released after the inverse.
 
 Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 consumer arrivals); slot s = i % 2 for the
@@ -148,6 +150,13 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                                                           BF16)
                         T.sync_threads(1, CONSUMERS)
                         warp = tx // 32
+                        if G < NW:
+                            # a warp without a value head does the gate cumsum (under the others' inverses)
+                            if warp == G:
+                                T.call_extern("handle", f"fd_gate_cumsum<{G}>",
+                                              T.address_of(g[0, T.cast(t0, "int64"), hv0]),
+                                              T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
+                                              T.cast(HV, "int64"), ln, False, tx % 32)
                         for rnd in T.serial(T.ceildiv(G, NW)):
                             j = rnd * NW + warp
                             jc = T.min(j, G - 1)
@@ -158,7 +167,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                                           T.address_of(A[0, T.cast(t0, "int64"), hv0 + jc, 0]),
                                           T.cast(HV * BT, "int64"), ln, j < G, tx)
                     elif kind == PAD:
-                        # padding tail [cu_seqlens[N], T): A = 0
+                        # padding tail [cu_seqlens[N], T): A = 0 (and g_cumsum = 0, by the producer)
                         for j in T.serial(G):
                             for r, c in T.Parallel(BT, BT):
                                 if r < ln:
@@ -190,8 +199,9 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                         meta_s[s, 1] = eos - t0
                         meta_s[s, 2] = T.if_then_else(t0 < eos, T.if_then_else(seq < n_seqs, REAL, PAD), IDLE)
                     T.barrier_arrive(full[s])
-                    # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for it)
-                    if t0 < eos:
+                    # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for it);
+                    # with fewer value heads than consumer warps a consumer warp does it for real chunks
+                    if (t0 < eos) & ((G >= NW) | (seq == n_seqs)):
                         T.call_extern("handle", f"fd_gate_cumsum<{G}>",
                                       T.address_of(g[0, T.cast(t0, "int64"), hv0]),
                                       T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),

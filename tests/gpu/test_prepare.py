@@ -85,15 +85,16 @@ def _check_prepare_fwd(case, fn, k, g, beta, cu):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prepare_fwd_pipe(case):
     """The persistent build: the same checks, A bit-identical to the one-shot kernel's (same K K^T and inverse
-    code), every value-head split giving the same bits."""
+    code), every value-head split with and without the gate warp giving the same bits."""
     from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
     from flashdelta.kernels.prepare_pipe import prepare_fwd_pipe
     k, g, beta, cu = _inputs(case)
     g_cumsum, A = _check_prepare_fwd(case, prepare_fwd_pipe, k, g, beta, cu)
     assert torch.equal(A, prepare_fwd(k, g, beta, cu)[1]), "A differs from the one-shot kernel's"
-    for hpc in heads_per_cta_options(case.H, case.HV)[1:]:
-        split = prepare_fwd_pipe(k, g, beta, cu, heads_per_cta=hpc)
-        assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"heads_per_cta={hpc}"
+    for hpc in heads_per_cta_options(case.H, case.HV):
+        for gate_warp in (False, True):
+            split = prepare_fwd_pipe(k, g, beta, cu, heads_per_cta=hpc, gate_warp=gate_warp)
+            assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"{hpc} heads, gate warp {gate_warp}"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9], CASES[11]], ids=str)

@@ -4,7 +4,7 @@
     python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
 
 Per row (the grid's head configs and sequence splits): the same inputs to the one-shot build and to the persistent
-one (the launcher's gate-warp choice and the other); A must be bit-identical and g_cumsum within fp32 rounding (max abs
+one; A must be bit-identical and g_cumsum within fp32 rounding (max abs
 difference printed); then CUDA-graph medians with an L2 flush, interleaved rounds (bench/timing.py). The table is
 printed last.
 """
@@ -63,9 +63,7 @@ def main():
             H, HV, L, n = parse(row)
             hpc = prepare.pick_heads_per_cta(H, HV, L * n)
             prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32, hpc))
-            for gw in (False, True):
-                prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32,
-                                                                                 gate_warp=gw))
+            prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32))
             print("compiled", row, flush=True)
         return
 
@@ -78,12 +76,10 @@ def main():
         H, HV, L, n = parse(row)
         k, g, beta, cu = inputs(H, HV, L, n)
         old = prepare.prepare_fwd(k, g, beta, cu)
-        gw = HV // H >= prepare_pipe.GATE_WARP_MIN_G
         fns = {"one-shot": lambda: prepare.prepare_fwd(k, g, beta, cu),
-               "pipe": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu),
-               "pipe-flip": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, gate_warp=not gw)}
-        checks = [f"pipe gate warp {gw}"]
-        for name in ("pipe", "pipe-flip"):
+               "pipe": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu)}
+        checks = []
+        for name in ("pipe",):
             new = fns[name]()
             torch.cuda.synchronize()
             checks.append(f"{name}: A {'bit-equal' if torch.equal(old[1], new[1]) else 'DIFFERS'}, "
@@ -94,10 +90,10 @@ def main():
         table.append((row, *ms, "; ".join(checks)))
         print(f"{row:18s} " + " ".join(f"{n} {t:.4f}" for n, t in zip(fns, ms)) + " | " + "; ".join(checks),
               flush=True)
-    print("\n| row | one-shot ms | pipe ms | change | pipe, gate warp flipped, ms | change | checks |")
-    print("|---|---|---|---|---|---|---|")
-    for row, a, b, c, checks in table:
-        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {c:.4f} | {c / a - 1:+.1%} | {checks} |")
+    print("\n| row | one-shot ms | pipe ms | change | checks |")
+    print("|---|---|---|---|---|")
+    for row, a, b, checks in table:
+        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {checks} |")
 
 
 if __name__ == "__main__":

@@ -123,3 +123,55 @@ def test_pick_heads_per_cta():
     for H, HV in ((16, 64), (8, 24), (16, 16), (1, 8), (1, 6)):
         picks = {pick(H, HV, n, num_sms=m) for n in (1, 64, 2048, 1 << 16, 1 << 22) for m in (8, 132)}
         assert picks <= set(prepare.launcher_heads_per_cta(H, HV)), (H, HV)   # what warmup compiles
+
+
+# (H, HV, K, k dtype, beta dtype): the persistent build (prepare_pipe) the launcher takes up to PIPE_MAX_G value heads
+# per key head, and two groupings only tests and the A/B take (GVA 4, GVA 8 in rounds)
+PIPE_VARIANTS = [
+    (16, 16, 128, torch.bfloat16, torch.float32),    # GVA 1 (16/16), 4 CTAs per SM
+    (4, 8, 64, torch.float16, torch.bfloat16),       # GVA 2, K = 64
+    (2, 6, 128, torch.bfloat16, torch.float32),      # GVA 3 (8/24, 16/48), 3 CTAs per SM
+    (2, 4, 256, torch.bfloat16, torch.float16),      # K = 256
+    (16, 64, 128, torch.bfloat16, torch.float32),    # GVA 4 (not the launcher's)
+    (1, 8, 128, torch.bfloat16, torch.float32),      # GVA 8: two rounds of four heads
+]
+
+
+@pytest.mark.parametrize("v", PIPE_VARIANTS, ids=_ids)
+def test_prepare_fwd_pipe_compiles_sm90(v):
+    """The persistent build: K K^T on wgmma from a TMA-loaded key tile, one per-warp inverse call, the producer's
+    chunk search and gate cumsum, no block-wide barrier past the mbarrier init, a grid of at most num_sms x
+    blocks_per_sm CTAs, and shared memory that fits that many CTAs per SM."""
+    from flashdelta.kernels import prepare_pipe
+
+    H, HV, K, k_dtype, _ = v
+    G = HV // H
+    args = prepare_pipe.builder_args(*v, num_sms=132)
+    src = prepare_pipe._build_prepare_fwd_pipe(*args).get_kernel_source()
+    wgmma = [line for line in src.splitlines() if "wgmma_ss<" in line]
+    assert wgmma and all(_WGMMA_TYPE[k_dtype] in line for line in wgmma)
+    kind = "fd_wy_inverse_warp<true>(" if k_dtype == torch.float16 else "fd_wy_inverse_warp<false>("
+    assert sum(kind in line for line in src.splitlines()) == 1
+    assert "tma_load(k_desc" in src and "expect_transaction" in src and "fd_find_seq(" in src
+    assert f"fd_gate_cumsum<{G}>(" in src
+    assert src.count("__syncthreads()") == 1 and "blockIdx.y" not in src
+    blocks = prepare_pipe.blocks_per_sm(K, G)
+    assert f"__launch_bounds__(160, {blocks})" in src
+    assert _dyn_smem_end(src) < prepare_pipe.SMEM_PER_SM // blocks - 1024
+    assert f"/ {132 * blocks})" in src or f"% {132 * blocks})" in src    # the CTA's items stride the grid
+    if G > prepare.NW:
+        assert "for (int rnd = 0; rnd < 2; ++rnd)" in src
+
+
+def test_prepare_launcher_builds():
+    """What `flashdelta warmup` compiles for prepare: the persistent build up to PIPE_MAX_G value heads per key head,
+    the one-shot kernel's heads-per-CTA splits above."""
+    from flashdelta.kernels import prepare_pipe
+
+    for H, HV in ((16, 16), (16, 32), (8, 24), (2, 6)):
+        (label, builder, args), = prepare.launcher_builds(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)
+        assert builder is prepare_pipe._build_prepare_fwd_pipe and "persistent" in label
+        assert args == prepare_pipe.builder_args(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)
+    builds = prepare.launcher_builds(16, 64, 128, torch.bfloat16, torch.float32)
+    assert [b[2] for b in builds] == [prepare.builder_args(16, 64, 128, torch.bfloat16, torch.float32, h)
+                                      for h in prepare.launcher_heads_per_cta(16, 64)]

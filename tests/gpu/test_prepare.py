@@ -84,23 +84,24 @@ def _check_prepare_fwd(case, fn, k, g, beta, cu):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prepare_fwd_pipe(case):
-    """The persistent build: the same checks, A bit-identical to the one-shot kernel's (same K K^T and inverse
-    code), every value-head split with and without the gate warp giving the same bits."""
+    """The persistent build on every case (the launcher's for GVA <= 3): the same checks, A and g_cumsum
+    bit-identical to the one-shot kernel's (same K K^T and inverse code; both scans sum in the same order), every
+    value-head split giving the same bits."""
     from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
     from flashdelta.kernels.prepare_pipe import prepare_fwd_pipe
     k, g, beta, cu = _inputs(case)
     g_cumsum, A = _check_prepare_fwd(case, prepare_fwd_pipe, k, g, beta, cu)
-    assert torch.equal(A, prepare_fwd(k, g, beta, cu)[1]), "A differs from the one-shot kernel's"
-    for hpc in heads_per_cta_options(case.H, case.HV):
-        for gate_warp in (False, True):
-            split = prepare_fwd_pipe(k, g, beta, cu, heads_per_cta=hpc, gate_warp=gate_warp)
-            assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"{hpc} heads, gate warp {gate_warp}"
+    one_shot = prepare_fwd(k, g, beta, cu, heads_per_cta=case.HV // case.H)
+    assert torch.equal(A, one_shot[1]) and torch.equal(g_cumsum, one_shot[0]), "differs from the one-shot kernel"
+    for hpc in heads_per_cta_options(case.H, case.HV)[1:]:
+        split = prepare_fwd_pipe(k, g, beta, cu, heads_per_cta=hpc)
+        assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"heads_per_cta={hpc}"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9], CASES[11]], ids=str)
 def test_prepare_fwd_heads_per_cta(case):
     """Every split of a key head's value heads over CTAs gives the same bits (each head's inverse is computed the
-    same way; only which CTA does it changes), and the launcher's pick is one of them."""
+    same way; only which CTA does it changes), and so does the launcher's kernel (the persistent one for GVA <= 3)."""
     from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
     k, g, beta, cu = _inputs(case)
     auto = prepare_fwd(k, g, beta, cu)
@@ -145,6 +146,29 @@ def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, g_ref) and torch.equal(A_out, A_ref)
+
+
+def test_prepare_fwd_offsets_past_2_31_elements():
+    """GVA 1 (the persistent kernel): a sequence whose A rows start at element 2^31 ([1, T, 16, 64]); its g_cumsum
+    and A from the big launch equal, bit for bit, a launch on that sequence alone (64-bit offsets)."""
+    from flashdelta.kernels.prepare import PIPE_MAX_G, prepare_fwd
+    H = HV = 16
+    assert HV // H <= PIPE_MAX_G
+    T0, T1 = 2 ** 31 // (HV * 64), 1000          # sequence 1 starts exactly at A element 2^31
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.nn.functional.normalize(torch.randn(1, T0 + T1, H, 128, generator=gen, device="cuda"), dim=-1)
+    k = k.bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T0 + T1, HV, generator=gen, device="cuda")) / 16
+    beta = torch.sigmoid(torch.randn(1, T0 + T1, HV, generator=gen, device="cuda"))
+    cu = torch.tensor([0, T0, T0 + T1], dtype=torch.int32, device="cuda")
+    gc_big, A_big = prepare_fwd(k, g, beta, cu)
+    assert A_big.numel() > 2 ** 31 and T0 * HV * 64 == 2 ** 31
+    sl = slice(T0, T0 + T1)
+    gc_1, A_1 = prepare_fwd(k[:, sl].contiguous(), g[:, sl].contiguous(), beta[:, sl].contiguous(),
+                            torch.tensor([0, T1], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.isfinite(A_big[:, sl]).all() and torch.isfinite(gc_big[:, sl]).all()
+    assert torch.equal(A_big[:, sl], A_1) and torch.equal(gc_big[:, sl], gc_1)
 
 
 BWD_CASES = [

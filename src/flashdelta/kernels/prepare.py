@@ -46,6 +46,9 @@ NW = THREADS // 32         # value heads inverted at once, one per warp
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
+# Value heads per key head up to which `prepare_fwd` runs the persistent build (prepare_pipe.py; measured faster at
+# GVA 1-3, slower at 4: its module docstring).
+PIPE_MAX_G = 3
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
 KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
@@ -285,6 +288,21 @@ def heads_per_cta_options(H: int, HV: int) -> tuple:
     return tuple(dict.fromkeys(x for x in (G, G // 2 if G % 2 == 0 else G, 1)))
 
 
+def launcher_builds(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
+                    num_sms: Optional[int] = None) -> list:
+    """(label, builder, args) of every kernel `prepare_fwd` may launch for these heads (what `flashdelta warmup`
+    compiles). num_sms (the persistent build's grid): this machine's GPU if there is one, else 132 (H100 SXM, H200)."""
+    if HV // H <= PIPE_MAX_G:
+        from . import prepare_pipe  # noqa: PLC0415
+
+        if num_sms is None:
+            num_sms = _num_sms(torch.device("cuda")) if torch.cuda.is_available() else 132
+        return [(f"prepare_fwd H={H} HV={HV} K={K} persistent", prepare_pipe._build_prepare_fwd_pipe,
+                 prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms))]
+    return [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}", _build_prepare_fwd,
+             builder_args(H, HV, K, k_dtype, beta_dtype, hpc)) for hpc in launcher_heads_per_cta(H, HV)]
+
+
 def launcher_heads_per_cta(H: int, HV: int) -> tuple:
     """The values `pick_heads_per_cta` can return for these heads (what `flashdelta warmup` compiles)."""
     G = HV // H
@@ -320,7 +338,8 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         g: ``[1, T, HV]`` fp32 log decays.
         beta: ``[1, T, HV]`` any float dtype.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
-        heads_per_cta: value heads per CTA, a divisor of HV / H; None: `pick_heads_per_cta(...)` for this call.
+        heads_per_cta: value heads per CTA, a divisor of HV / H (the one-shot kernel); None: the launcher's pick:
+            the persistent kernel (prepare_pipe.py) for HV / H <= `PIPE_MAX_G`, else `pick_heads_per_cta(...)`.
 
     Returns:
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
@@ -337,6 +356,13 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     if n_tok == 0:
         return g_cumsum, A
     if heads_per_cta is None:
+        if HV // H <= PIPE_MAX_G:
+            from . import prepare_pipe  # noqa: PLC0415
+
+            kernel = prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(
+                H, HV, K, k.dtype, beta.dtype, num_sms=_num_sms(k.device)))
+            kernel(k, g, beta, cu_seqlens, g_cumsum, A)
+            return g_cumsum, A
         heads_per_cta = pick_heads_per_cta(H, HV, n_tok, _num_sms(k.device), chunk_size)
     elif heads_per_cta < 1 or (HV // H) % heads_per_cta:
         raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")

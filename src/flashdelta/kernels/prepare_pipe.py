@@ -20,15 +20,16 @@ Barriers: full[s] (32 producer arrivals + the TMA bytes), empty[s] (128 consumer
 CTA's i-th item, parity (i // 2) % 2. Every item is published, idle ones (a slot past its sequence's last chunk) with
 kind 0, so both roles walk the same list.
 
-Measured (NOTES-gpu.md session 10): faster than the one-shot kernel where a CTA inverts few value heads, slower at
-GVA 4, where the one-shot kernel's 4 CTAs x 4 warps per SM keep more inverses in flight than 3 x 4 here (at GVA 4 the
-time follows the number of inverting warps per SM, not the load latency). Two consumer warpgroups per CTA (2 x 2 x 4
-warps) need the consumer code duplicated per warpgroup (TileLang lays out a fragment for the whole `if` branch's
-threads) and lost in their first, miscompiled form; not pursued.
+Measured (NOTES-gpu.md session 10, A/B against the one-shot kernel, H200): GVA 1 -20..-23%, GVA 2 -6..-8%, GVA 3
+-13..-27% on multi-chunk rows, so the launcher (`prepare.prepare_fwd`) takes this build up to `prepare.PIPE_MAX_G`
+value heads per key head. At GVA 4 it is 25-30% slower: the one-shot kernel's 4 CTAs x 4 warps per SM keep more
+inverses in flight than 3 x 4 here (shared memory), and neither a separate gate warp nor a free producer changed
+that. Where the producer did the gate cumsum before handing the slot over, or at all on its serial chain
+(find -> TMA -> beta -> cumsum), it paced the kernel: with fewer value heads than warps a consumer warp without a
+head does the cumsum. Two consumer warpgroups per CTA would need the consumer code written out per warpgroup
+(TileLang lays out a fragment for the whole `if` branch's threads); not pursued.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
-import functools
-
 import tilelang
 import tilelang.language as T
 import torch
@@ -40,10 +41,7 @@ NS = 2                      # key-tile ring slots
 CONSUMERS = 128             # threads of the consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
 SMEM_PER_SM = 227 * 1024    # usable shared memory per SM (H100/H200), less 1 KB reserved per CTA below
 MAX_BLOCKS = 4
-# A second producer warp (beta, and the gate cumsum where no consumer warp is free for it) from this many value heads
-# per item: the load warp's chain per item is then find -> TMA -> hand-off only. Below it the CTAs are register-bound
-# at 4 per SM with 160 threads.
-GATE_WARP_MIN_G = 3
+THREADS = CONSUMERS + 32    # + the producer warp
 MIN_REGS = 96               # registers per thread a build may be squeezed to (ptxas: the inverse spills a little here)
 IDLE, REAL, PAD = 0, 1, 2   # item kinds (meta_s[s, 2])
 
@@ -68,23 +66,17 @@ def _layout(K: int, G: int, k_bytes: int = 2) -> dict:
     return {"bytes": sum(parts.values()), "NWS": NWS, "NWK": NWK, "GB": GB, **parts}
 
 
-def threads(gate_warp: bool) -> int:
-    """Threads per CTA: the consumer warpgroup, the load warp and (gate_warp) the gate warp."""
-    return CONSUMERS + 32 * (2 if gate_warp else 1)
-
-
-def blocks_per_sm(K: int, G: int, gate_warp: bool) -> int:
+def blocks_per_sm(K: int, G: int) -> int:
     """CTAs per SM the shared memory and `MIN_REGS` registers per thread allow (at most `MAX_BLOCKS`)."""
-    by_regs = 65536 // (threads(gate_warp) * MIN_REGS)
+    by_regs = 65536 // (THREADS * MIN_REGS)
     return max(1, min(MAX_BLOCKS, by_regs, SMEM_PER_SM // (_layout(K, G)["bytes"] + 1024)))
 
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                            heads_per_cta: int = 0, num_sms: int = 132, gate_warp: bool = False):
+                            heads_per_cta: int = 0, num_sms: int = 132):
     """heads_per_cta as in `prepare._build_prepare_fwd` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(K, G, gate_warp)` CTAs (fewer when there are fewer items); gate_warp: beta and the
-    cumsum by a second producer warp (`GATE_WARP_MIN_G`)."""
+    `num_sms * blocks_per_sm(K, G)` CTAs (fewer when there are fewer items)."""
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = heads_per_cta or HV // H    # value heads per item
@@ -93,49 +85,11 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
     NY = H * NG
     lay = _layout(K, G)
     GB, NWS, NWK = lay["GB"], lay["NWS"], lay["NWK"]
-    blocks = blocks_per_sm(K, G, gate_warp)
-    n_threads = threads(gate_warp)
+    blocks = blocks_per_sm(K, G)
     NC = num_sms * blocks           # CTAs of a full grid
     n_tok = T.dynamic("T")
     n_seqs = T.dynamic("N")
     B16 = 16
-
-    @T.macro
-    def producer(lane, loads, gates, bx, n_my, k, beta, g, g_cumsum, cu_seqlens, k_s, beta_s, meta_s, full, empty):
-        # one producer warp's walk over the CTA's items: `loads` = the key tile's TMA and the item's meta, `gates` =
-        # beta into the slot and (after the hand-off) the gate cumsum; every producer warp arrives on full[s]
-        for i in T.serial(n_my):
-            it = bx + i * NC
-            i_s = it // NY
-            i_h = (it % NY) // NG
-            hv0 = (it % NY) * G
-            s = i % NS
-            seq = T.call_extern("int32", "fd_find_seq", T.address_of(cu_seqlens[0]), i_s, n_seqs, BT, lane)
-            bos = cu_seqlens[seq]
-            t0 = bos + (i_s - bos // BT - seq) * BT
-            eos = T.if_then_else(seq < n_seqs, cu_seqlens[T.min(seq + 1, n_seqs)], n_tok)
-            T.barrier_wait(empty[s], ((i // NS) % 2) ^ 1)
-            if (t0 < eos) & (seq < n_seqs):
-                if loads:
-                    T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
-                if gates:
-                    for r, j in T.Parallel(BT, G):
-                        tt = T.cast(T.min(t0 + r, eos - 1), "int64")
-                        beta_s[s, r, j] = T.Select(t0 + r < eos, T.cast(beta[0, tt, hv0 + j], F32), 0.0)
-            if loads:
-                if lane == 0:
-                    meta_s[s, 0] = t0
-                    meta_s[s, 1] = eos - t0
-                    meta_s[s, 2] = T.if_then_else(t0 < eos, T.if_then_else(seq < n_seqs, REAL, PAD), IDLE)
-            T.barrier_arrive(full[s])
-            if gates:
-                # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for it);
-                # with fewer value heads than consumer warps a consumer warp does it for real chunks
-                if (t0 < eos) & ((G >= NW) | (seq == n_seqs)):
-                    T.call_extern("handle", f"fd_gate_cumsum<{G}>",
-                                  T.address_of(g[0, T.cast(t0, "int64"), hv0]),
-                                  T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
-                                  T.cast(HV, "int64"), eos - t0, seq == n_seqs, lane)
 
     @T.prim_func
     def prepare_fwd_pipe_kernel(
@@ -148,7 +102,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
     ):
         n_items = (n_tok // BT + n_seqs + 1) * NY
         prelude = _ptx.WY_INVERSE_PRELUDE + _ptx.PRODUCER_PRELUDE
-        with T.Kernel(T.min(n_items, NC), threads=n_threads, prelude=prelude) as bx:
+        with T.Kernel(T.min(n_items, NC), threads=THREADS, prelude=prelude) as bx:
             T.annotate_min_blocks_per_sm(blocks)
             tx = T.get_thread_binding()
             n_my = T.ceildiv(n_items - bx, NC)      # this CTA's items: bx, bx + NC, ...
@@ -163,7 +117,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
             l_hi = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             l_lo = T.alloc_shared((BT - B16, _ptx.WY_LP), BF16)
             ws = T.alloc_shared((NWS - NWK, _ptx.WY_WS_FLOATS), F32) if NWK < NWS else None
-            full = T.alloc_barrier([32 * (2 if gate_warp else 1)] * NS)
+            full = T.alloc_barrier([32] * NS)
             empty = T.alloc_barrier([CONSUMERS] * NS)
 
             if tx < CONSUMERS:
@@ -222,38 +176,55 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                     # the slot (key tile, workspaces written by the generic proxy) goes back to the TMA
                     T.fence_proxy_async()
                     T.barrier_arrive(empty[s])
-            elif tx < CONSUMERS + 32:
-                # ================= load warp (and, without a gate warp, the gates) =================
-                producer(tx - CONSUMERS, True, not gate_warp, bx, n_my, k, beta, g, g_cumsum, cu_seqlens, k_s, beta_s,
-                         meta_s, full, empty)
             else:
-                # ================= gate warp: beta, and the cumsum where no consumer warp does it ===========
-                producer(tx - CONSUMERS - 32, False, True, bx, n_my, k, beta, g, g_cumsum, cu_seqlens, k_s, beta_s,
-                         meta_s, full, empty)
+                # ================= producer warp =================
+                lane = tx - CONSUMERS
+                for i in T.serial(n_my):
+                    it = bx + i * NC
+                    i_s = it // NY
+                    i_h = (it % NY) // NG
+                    hv0 = (it % NY) * G
+                    s = i % NS
+                    seq = T.call_extern("int32", "fd_find_seq", T.address_of(cu_seqlens[0]), i_s, n_seqs, BT, lane)
+                    bos = cu_seqlens[seq]
+                    t0 = bos + (i_s - bos // BT - seq) * BT
+                    eos = T.if_then_else(seq < n_seqs, cu_seqlens[T.min(seq + 1, n_seqs)], n_tok)
+                    T.barrier_wait(empty[s], ((i // NS) % 2) ^ 1)
+                    if (t0 < eos) & (seq < n_seqs):
+                        T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
+                        for r, j in T.Parallel(BT, G):
+                            tt = T.cast(T.min(t0 + r, eos - 1), "int64")
+                            beta_s[s, r, j] = T.Select(t0 + r < eos, T.cast(beta[0, tt, hv0 + j], F32), 0.0)
+                    if lane == 0:
+                        meta_s[s, 0] = t0
+                        meta_s[s, 1] = eos - t0
+                        meta_s[s, 2] = T.if_then_else(t0 < eos, T.if_then_else(seq < n_seqs, REAL, PAD), IDLE)
+                    T.barrier_arrive(full[s])
+                    # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for it);
+                    # with fewer value heads than consumer warps a consumer warp does it for real chunks
+                    if (t0 < eos) & ((G >= NW) | (seq == n_seqs)):
+                        T.call_extern("handle", f"fd_gate_cumsum<{G}>",
+                                      T.address_of(g[0, T.cast(t0, "int64"), hv0]),
+                                      T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
+                                      T.cast(HV, "int64"), eos - t0, seq == n_seqs, lane)
 
     return prepare_fwd_pipe_kernel
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = 132, gate_warp=None) -> tuple:
-    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`.
-    gate_warp None: from `GATE_WARP_MIN_G`."""
-    G = heads_per_cta or HV // H
-    gw = G >= GATE_WARP_MIN_G if gate_warp is None else bool(gate_warp)
+                 num_sms: int = 132) -> tuple:
+    """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            int(num_sms), gw)
+            int(num_sms))
 
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     chunk_size: int = 64, heads_per_cta: int = 0, gate_warp=None) -> tuple:
-    """`prepare.prepare_fwd` by the persistent kernel: same arguments and results (A bit-identical; g_cumsum
-    summed in another order). heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
-    from .prepare import _check_cu_seqlens  # noqa: PLC0415
+                     chunk_size: int = 64, heads_per_cta: int = 0) -> tuple:
+    """`prepare.prepare_fwd` by the persistent kernel whatever the head grouping (the launcher takes it for
+    HV / H <= `prepare.PIPE_MAX_G`): same arguments and results (A bit-identical to the one-shot kernel's).
+    heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
+    from .prepare import _check_cu_seqlens, _num_sms  # noqa: PLC0415
 
     _, n_tok, H, K = k.shape
     HV = g.shape[-1]
@@ -267,7 +238,6 @@ def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_se
     A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
-    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms(k.device),
-                                                   gate_warp))
+    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, _num_sms(k.device)))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A

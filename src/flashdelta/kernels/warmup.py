@@ -26,9 +26,7 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
     if qk_l2norm:
         out.append((f"l2norm_fwd K={K}", l2norm._build_l2norm_fwd, l2norm.builder_args(K, dtype)))
     for H, HV in heads:
-        for hpc in prepare.launcher_heads_per_cta(H, HV):   # the launcher picks one per call (grid size)
-            out.append((f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}", prepare._build_prepare_fwd,
-                        prepare.builder_args(H, HV, K, dtype, beta_dtype, hpc)))
+        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype)   # the launcher picks one per call
         for has_h0 in initial_state:
             for vfirst in state_v_first:
                 out.append((f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}",

@@ -164,14 +164,20 @@ def test_prepare_fwd_pipe_compiles_sm90(v):
 
 
 def test_prepare_launcher_builds():
-    """What `flashdelta warmup` compiles for prepare: the persistent build up to PIPE_MAX_G value heads per key head,
-    the one-shot kernel's heads-per-CTA splits above."""
+    """What `flashdelta warmup` compiles for prepare: the one-shot kernel's heads-per-CTA splits and, for PIPE_GVA,
+    the persistent build; and where the launcher takes the latter (`use_pipe`)."""
     from flashdelta.kernels import prepare_pipe
 
-    for H, HV in ((16, 16), (16, 32), (8, 24), (2, 6)):
-        (label, builder, args), = prepare.launcher_builds(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)
-        assert builder is prepare_pipe._build_prepare_fwd_pipe and "persistent" in label
-        assert args == prepare_pipe.builder_args(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)
-    builds = prepare.launcher_builds(16, 64, 128, torch.bfloat16, torch.float32)
-    assert [b[2] for b in builds] == [prepare.builder_args(16, 64, 128, torch.bfloat16, torch.float32, h)
-                                      for h in prepare.launcher_heads_per_cta(16, 64)]
+    for H, HV in ((16, 16), (8, 24), (2, 6), (16, 32), (16, 64)):
+        builds = prepare.launcher_builds(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)
+        one_shot = [prepare.builder_args(H, HV, 128, torch.bfloat16, torch.float32, h)
+                    for h in prepare.launcher_heads_per_cta(H, HV)]
+        pipe = [prepare_pipe.builder_args(H, HV, 128, torch.bfloat16, torch.float32, num_sms=132)]
+        assert [b[2] for b in builds] == one_shot + (pipe if HV // H in prepare.PIPE_GVA else [])
+        assert builds[-1][1] is (prepare_pipe._build_prepare_fwd_pipe if HV // H in prepare.PIPE_GVA
+                                 else prepare._build_prepare_fwd)
+    use = prepare.use_pipe
+    assert use(16, 16, 128, 32768, 1, 132) and use(16, 48, 128, 4096 * 8, 8, 132) and use(16, 16, 128, 1024 * 8, 8, 132)
+    assert not use(16, 48, 128, 4096, 1, 132)                      # ~2.7 items per CTA: the one-shot kernel
+    assert not use(16, 32, 128, 32768, 1, 132) and not use(16, 64, 128, 32768, 1, 132)   # GVA 2, 4
+    assert use(16, 16, 128, 8192, 1, 132) and not use(16, 16, 128, 8192, 1, 1000)        # grid size matters

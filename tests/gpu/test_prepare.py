@@ -84,7 +84,7 @@ def _check_prepare_fwd(case, fn, k, g, beta, cu):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prepare_fwd_pipe(case):
-    """The persistent build on every case (the launcher's for GVA <= 3): the same checks, A and g_cumsum
+    """The persistent build on every case (the launcher's where `prepare.use_pipe`): the same checks, A and g_cumsum
     bit-identical to the one-shot kernel's (same K K^T and inverse code; both scans sum in the same order), every
     value-head split giving the same bits."""
     from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
@@ -101,7 +101,8 @@ def test_prepare_fwd_pipe(case):
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[9], CASES[11]], ids=str)
 def test_prepare_fwd_heads_per_cta(case):
     """Every split of a key head's value heads over CTAs gives the same bits (each head's inverse is computed the
-    same way; only which CTA does it changes), and so does the launcher's kernel (the persistent one for GVA <= 3)."""
+    same way; only which CTA does it changes), and so does the launcher's kernel (the persistent one where
+    `prepare.use_pipe`)."""
     from flashdelta.kernels.prepare import heads_per_cta_options, prepare_fwd
     k, g, beta, cu = _inputs(case)
     auto = prepare_fwd(k, g, beta, cu)
@@ -151,9 +152,8 @@ def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
 def test_prepare_fwd_offsets_past_2_31_elements():
     """GVA 1 (the persistent kernel): a sequence whose A rows start at element 2^31 ([1, T, 16, 64]); its g_cumsum
     and A from the big launch equal, bit for bit, a launch on that sequence alone (64-bit offsets)."""
-    from flashdelta.kernels.prepare import PIPE_MAX_G, prepare_fwd
+    from flashdelta.kernels.prepare import _num_sms, prepare_fwd, use_pipe
     H = HV = 16
-    assert HV // H <= PIPE_MAX_G
     T0, T1 = 2 ** 31 // (HV * 64), 1000          # sequence 1 starts exactly at A element 2^31
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.nn.functional.normalize(torch.randn(1, T0 + T1, H, 128, generator=gen, device="cuda"), dim=-1)
@@ -161,6 +161,7 @@ def test_prepare_fwd_offsets_past_2_31_elements():
     g = torch.nn.functional.logsigmoid(torch.randn(1, T0 + T1, HV, generator=gen, device="cuda")) / 16
     beta = torch.sigmoid(torch.randn(1, T0 + T1, HV, generator=gen, device="cuda"))
     cu = torch.tensor([0, T0, T0 + T1], dtype=torch.int32, device="cuda")
+    assert use_pipe(H, HV, 128, T0 + T1, 2, _num_sms(k.device))
     gc_big, A_big = prepare_fwd(k, g, beta, cu)
     assert A_big.numel() > 2 ** 31 and T0 * HV * 64 == 2 ** 31
     sl = slice(T0, T0 + T1)

@@ -46,9 +46,13 @@ NW = THREADS // 32         # value heads inverted at once, one per warp
 # launch; the fused forward waits for this kernel's completion in T.pdl_sync before reading anything). Off until
 # measured on a GPU, with fused_fwd.PDL_SYNC.
 PDL_TRIGGER = False
-# Value heads per key head up to which `prepare_fwd` runs the persistent build (prepare_pipe.py; measured faster at
-# GVA 1-3, slower at 4: its module docstring).
-PIPE_MAX_G = 3
+# Where `prepare_fwd` runs the persistent build (prepare_pipe.py) instead of the one-shot kernel: value heads per key
+# head in PIPE_GVA, and at least PIPE_MIN_ITEMS work items per persistent CTA (`use_pipe`). Session 10's grid (H200):
+# GVA 1 -2..-7% and GVA 3 -2..-6% of a row's time where the CTAs walk several items, but +1..+3% on short single
+# sequences (one or two items per CTA: nothing to pipeline); GVA 2 -1% on long rows, +2..+4.5% on short ones (there
+# the one-shot kernel splits the heads over CTAs); GVA 4 prepare itself +25..30% (its module docstring).
+PIPE_GVA = (1, 3)
+PIPE_MIN_ITEMS = 3
 # the builder's trailing parameters, in order: `builder_args` ends with the launcher's values, `build_fwd` overrides
 KNOBS = ("heads_per_cta", "min_blocks", "profile", "pdl")
 # profile=True builds (development): sampled CTAs and their phase-end events (thread 0, %clock64); "m." entries are
@@ -288,19 +292,31 @@ def heads_per_cta_options(H: int, HV: int) -> tuple:
     return tuple(dict.fromkeys(x for x in (G, G // 2 if G % 2 == 0 else G, 1)))
 
 
+def use_pipe(H: int, HV: int, K: int, n_tok: int, n_seqs: int, num_sms: int) -> bool:
+    """Whether `prepare_fwd` takes the persistent build for a call (`PIPE_GVA`, `PIPE_MIN_ITEMS`); host shapes only."""
+    if HV // H not in PIPE_GVA:
+        return False
+    from . import prepare_pipe  # noqa: PLC0415
+
+    items = (n_tok // 64 + n_seqs + 1) * H
+    return items >= PIPE_MIN_ITEMS * num_sms * prepare_pipe.blocks_per_sm(K, HV // H)
+
+
 def launcher_builds(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
                     num_sms: Optional[int] = None) -> list:
     """(label, builder, args) of every kernel `prepare_fwd` may launch for these heads (what `flashdelta warmup`
-    compiles). num_sms (the persistent build's grid): this machine's GPU if there is one, else 132 (H100 SXM, H200)."""
-    if HV // H <= PIPE_MAX_G:
+    compiles): the one-shot kernel's heads-per-CTA splits and, for `PIPE_GVA`, the persistent build. num_sms (the
+    persistent build's grid): this machine's GPU if there is one, else 132 (H100 SXM, H200)."""
+    out = [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}", _build_prepare_fwd,
+            builder_args(H, HV, K, k_dtype, beta_dtype, hpc)) for hpc in launcher_heads_per_cta(H, HV)]
+    if HV // H in PIPE_GVA:
         from . import prepare_pipe  # noqa: PLC0415
 
         if num_sms is None:
             num_sms = _num_sms(torch.device("cuda")) if torch.cuda.is_available() else 132
-        return [(f"prepare_fwd H={H} HV={HV} K={K} persistent", prepare_pipe._build_prepare_fwd_pipe,
-                 prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms))]
-    return [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}", _build_prepare_fwd,
-             builder_args(H, HV, K, k_dtype, beta_dtype, hpc)) for hpc in launcher_heads_per_cta(H, HV)]
+        out.append((f"prepare_fwd H={H} HV={HV} K={K} persistent", prepare_pipe._build_prepare_fwd_pipe,
+                    prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms)))
+    return out
 
 
 def launcher_heads_per_cta(H: int, HV: int) -> tuple:
@@ -339,7 +355,7 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         beta: ``[1, T, HV]`` any float dtype.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
         heads_per_cta: value heads per CTA, a divisor of HV / H (the one-shot kernel); None: the launcher's pick:
-            the persistent kernel (prepare_pipe.py) for HV / H <= `PIPE_MAX_G`, else `pick_heads_per_cta(...)`.
+            the persistent kernel (prepare_pipe.py) where `use_pipe`, else `pick_heads_per_cta(...)`.
 
     Returns:
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
@@ -356,7 +372,7 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
     if n_tok == 0:
         return g_cumsum, A
     if heads_per_cta is None:
-        if HV // H <= PIPE_MAX_G:
+        if use_pipe(H, HV, K, n_tok, cu_seqlens.shape[0] - 1, _num_sms(k.device)):
             from . import prepare_pipe  # noqa: PLC0415
 
             kernel = prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(

@@ -21,8 +21,8 @@ CTA's i-th item, parity (i // 2) % 2. Every item is published, idle ones (a slot
 kind 0, so both roles walk the same list.
 
 Measured (NOTES-gpu.md session 10, A/B against the one-shot kernel, H200): GVA 1 -20..-23%, GVA 2 -6..-8%, GVA 3
--13..-27% on multi-chunk rows, so the launcher (`prepare.prepare_fwd`) takes this build up to `prepare.PIPE_MAX_G`
-value heads per key head. At GVA 4 it is 25-30% slower: the one-shot kernel's 4 CTAs x 4 warps per SM keep more
+-13..-27% on multi-chunk rows; in the grid GVA 2 gained ~1% on long rows and lost on short ones, so the launcher
+(`prepare.prepare_fwd`) takes this build at GVA 1 and 3 with several items per CTA (`prepare.use_pipe`). At GVA 4 it is 25-30% slower: the one-shot kernel's 4 CTAs x 4 warps per SM keep more
 inverses in flight than 3 x 4 here (shared memory), and neither a separate gate warp nor a free producer changed
 that. Where the producer did the gate cumsum before handing the slot over, or at all on its serial chain
 (find -> TMA -> beta -> cumsum), it paced the kernel: with fewer value heads than warps a consumer warp without a
@@ -221,8 +221,8 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      chunk_size: int = 64, heads_per_cta: int = 0) -> tuple:
-    """`prepare.prepare_fwd` by the persistent kernel whatever the head grouping (the launcher takes it for
-    HV / H <= `prepare.PIPE_MAX_G`): same arguments and results (A bit-identical to the one-shot kernel's).
+    """`prepare.prepare_fwd` by the persistent kernel whatever the head grouping and size (the launcher takes it
+    where `prepare.use_pipe`): same arguments and results (A bit-identical to the one-shot kernel's).
     heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
     from .prepare import _check_cu_seqlens, _num_sms  # noqa: PLC0415
 

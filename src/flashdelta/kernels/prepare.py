@@ -72,6 +72,18 @@ def _lo(x):
     return T.cast(x - T.cast(T.cast(x, BF16), F32), BF16)
 
 
+@T.macro
+def split_gram(kk_frag, kkd_shared, l_hi, l_lo):
+    """K K^T (the [64, 64] fp32 fragment) -> the per-warp inverse's inputs (`_ptx.WY_INVERSE_PRELUDE`): the four
+    16x16 diagonal blocks in fp32, the blocks below the diagonal (rows 16..63, cols 0..47) as bf16 hi/lo."""
+    for i, c in T.Parallel(64, 64):
+        if i // 16 == c // 16:
+            kkd_shared[i // 16, i % 16, c % 16] = kk_frag[i, c]
+        if c // 16 < i // 16:
+            l_hi[i - 16, c] = _hi(kk_frag[i, c])
+            l_lo[i - 16, c] = _lo(kk_frag[i, c])
+
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float64: "float64"}
 
@@ -183,12 +195,7 @@ def _build_prepare_fwd(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF1
                     stamp("loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
                     stamp("kkt")
-                    for i, c in T.Parallel(BT, BT):
-                        if i // B16 == c // B16:
-                            kkd_shared[i // B16, i % B16, c % B16] = kk_frag[i, c]
-                        if c // B16 < i // B16:
-                            l_hi[i - B16, c] = _hi(kk_frag[i, c])
-                            l_lo[i - B16, c] = _lo(kk_frag[i, c])
+                    split_gram(kk_frag, kkd_shared, l_hi, l_lo)
                     stamp("split")
                     T.cumsum(g_shared[:, 0:G], dim=0)
                     for i, j in T.Parallel(BT, G):

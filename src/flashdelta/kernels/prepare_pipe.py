@@ -35,7 +35,7 @@ import tilelang.language as T
 import torch
 
 from . import _ptx, _tl
-from .prepare import BF16, F32, NW, SUPPORTED_K, _TORCH_TO_TL, _hpc_key
+from .prepare import BF16, F32, NW, SUPPORTED_K, _TORCH_TO_TL, _hpc_key, split_gram
 
 NS = 2                      # key-tile ring slots
 CONSUMERS = 128             # threads of the consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
@@ -142,13 +142,7 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
                         T.sync_threads(1, CONSUMERS)
                         T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_frag, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
-                        for r, c in T.Parallel(BT, BT):
-                            if r // B16 == c // B16:
-                                kkd_shared[r // B16, r % B16, c % B16] = kk_frag[r, c]
-                            if c // B16 < r // B16:
-                                l_hi[r - B16, c] = T.cast(kk_frag[r, c], BF16)
-                                l_lo[r - B16, c] = T.cast(kk_frag[r, c] - T.cast(T.cast(kk_frag[r, c], BF16), F32),
-                                                          BF16)
+                        split_gram(kk_frag, kkd_shared, l_hi, l_lo)
                         T.sync_threads(1, CONSUMERS)
                         warp = tx // 32
                         if G < NW:

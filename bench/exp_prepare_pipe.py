@@ -4,7 +4,7 @@
     python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
 
 Per row (the grid's head configs and sequence splits): the same inputs to the one-shot build and to the persistent
-one; A must be bit-identical and g_cumsum within fp32 rounding (max abs
+one (`PIPE_VARIANTS`: the launcher's knobs, two consumer warpgroups, and those with a gate warp); A must be bit-identical and g_cumsum within fp32 rounding (max abs
 difference printed); then CUDA-graph medians with an L2 flush, interleaved rounds (bench/timing.py). The table is
 printed last.
 """
@@ -22,6 +22,9 @@ ROWS = ("h16v64/1x32768,h16v64/4096x8,h16v64/1024x8,h16v16/1x32768,h16v16/4096x8
         "h16v32/1x32768,h16v32/4096x8,h16v32/1024x8,h16v48/1x32768,h16v48/4096x8,h16v48/1024x8,h8v24/1x8192,"
         "h8v24/4096x8,h2v8/1x32768,h2v8/1x4096,h4v16/1x4096,h8v32/4096x8")
 K = 128
+# name -> `prepare_pipe.prepare_fwd_pipe` knobs (all of a key head's value heads per item; the one-shot kernel runs
+# with all of them per CTA too)
+PIPE_VARIANTS = {"pipe": {}, "pipe-2wg": {"consumers": 2}, "pipe-2wg-gate": {"consumers": 2, "gate_warp": True}}
 
 
 def parse(row):
@@ -61,9 +64,10 @@ def main():
     if args.compile_only:
         for row in rows:
             H, HV, L, n = parse(row)
-            hpc = prepare.pick_heads_per_cta(H, HV, L * n)
-            prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32, hpc))
-            prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16, torch.float32))
+            prepare._build_prepare_fwd(*prepare.builder_args(H, HV, K, torch.bfloat16, torch.float32))
+            for knobs in PIPE_VARIANTS.values():
+                prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(H, HV, K, torch.bfloat16,
+                                                                                 torch.float32, **knobs))
             print("compiled", row, flush=True)
         return
 
@@ -76,10 +80,11 @@ def main():
         H, HV, L, n = parse(row)
         k, g, beta, cu = inputs(H, HV, L, n)
         old = prepare.prepare_fwd(k, g, beta, cu)
-        fns = {"one-shot": lambda: prepare.prepare_fwd(k, g, beta, cu),
-               "pipe": lambda: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu)}
+        fns = {"one-shot": lambda: prepare.prepare_fwd(k, g, beta, cu, heads_per_cta=HV // H)}
+        for name, knobs in PIPE_VARIANTS.items():
+            fns[name] = lambda knobs=knobs: prepare_pipe.prepare_fwd_pipe(k, g, beta, cu, **knobs)
         checks = []
-        for name in ("pipe",):
+        for name in PIPE_VARIANTS:
             new = fns[name]()
             torch.cuda.synchronize()
             checks.append(f"{name}: A {'bit-equal' if torch.equal(old[1], new[1]) else 'DIFFERS'}, "
@@ -90,10 +95,11 @@ def main():
         table.append((row, *ms, "; ".join(checks)))
         print(f"{row:18s} " + " ".join(f"{n} {t:.4f}" for n, t in zip(fns, ms)) + " | " + "; ".join(checks),
               flush=True)
-    print("\n| row | one-shot ms | pipe ms | change | checks |")
-    print("|---|---|---|---|---|")
-    for row, a, b, checks in table:
-        print(f"| {row} | {a:.4f} | {b:.4f} | {b / a - 1:+.1%} | {checks} |")
+    print("\n| row | one-shot ms | " + " | ".join(f"{n} ms (change)" for n in PIPE_VARIANTS) + " | checks |")
+    print("|---|---|" + "---|" * len(PIPE_VARIANTS) + "---|")
+    for row, a, *rest in table:
+        times, checks = rest[:-1], rest[-1]
+        print(f"| {row} | {a:.4f} | " + " | ".join(f"{t:.4f} ({t / a - 1:+.1%})" for t in times) + f" | {checks} |")
 
 
 if __name__ == "__main__":

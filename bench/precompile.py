@@ -55,9 +55,13 @@ def tests():
                               for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
         _timed(f"prepare_fwd {args[:3]} heads/CTA {args[-len(prepare.KNOBS)]}", lambda: prepare.build_fwd(args))
     from flashdelta.kernels import prepare_pipe  # test_prepare_fwd_pipe: every value-head split
-    for args in dict.fromkeys(prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
-                              for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
-        _timed(f"prepare_fwd_pipe {args[:3]} heads/item {args[-2]}",
+    from test_prepare import PIPE_KNOBS
+    todo = [prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
+            for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)]
+    todo += [prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, **knobs)
+             for c in PREP_CASES for knobs in PIPE_KNOBS]
+    for args in dict.fromkeys(todo):
+        _timed(f"prepare_fwd_pipe {args[:3]} heads/item {args[-4]} consumers {args[-2]} gate warp {args[-1]}",
                lambda: prepare_pipe._build_prepare_fwd_pipe(*args))
     for c, knobs in KNOB_CASES:     # test_prepare_fwd_knobs
         args = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)

@@ -368,30 +368,37 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
         ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``.
     """
+    cu_seqlens, g_cumsum, A = _fwd_outputs(k, g, beta, cu_seqlens, chunk_size)
     _, n_tok, H, K = k.shape
     HV = g.shape[-1]
-    assert chunk_size == 64 and K in SUPPORTED_K and HV % H == 0
-    assert k.dtype in (torch.bfloat16, torch.float16) and g.dtype == torch.float32
-    assert k.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
-    cu_seqlens = _check_cu_seqlens(cu_seqlens)
-    g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
-    A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
     if n_tok == 0:
         return g_cumsum, A
     if heads_per_cta is None:
-        if use_pipe(H, HV, K, n_tok, cu_seqlens.shape[0] - 1, _num_sms(k.device)):
+        num_sms = _num_sms(k.device)
+        if use_pipe(H, HV, K, n_tok, cu_seqlens.shape[0] - 1, num_sms):
             from . import prepare_pipe  # noqa: PLC0415
 
-            kernel = prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(
-                H, HV, K, k.dtype, beta.dtype, num_sms=_num_sms(k.device)))
-            kernel(k, g, beta, cu_seqlens, g_cumsum, A)
+            prepare_pipe.launch(k, g, beta, cu_seqlens, g_cumsum, A, num_sms=num_sms)
             return g_cumsum, A
-        heads_per_cta = pick_heads_per_cta(H, HV, n_tok, _num_sms(k.device), chunk_size)
+        heads_per_cta = pick_heads_per_cta(H, HV, n_tok, num_sms, chunk_size)
     elif heads_per_cta < 1 or (HV // H) % heads_per_cta:
         raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")
     kernel = _build_prepare_fwd(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta))
     kernel(k, g, beta, cu_seqlens, g_cumsum, A)
     return g_cumsum, A
+
+
+def _fwd_outputs(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                 chunk_size: int) -> tuple:
+    """Checks `prepare_fwd`'s inputs (either kernel); returns cu_seqlens as int32 and the allocated g_cumsum, A."""
+    _, n_tok, H, K = k.shape
+    HV = g.shape[-1]
+    assert chunk_size == 64 and K in SUPPORTED_K and HV % H == 0
+    assert k.dtype in (torch.bfloat16, torch.float16) and g.dtype == torch.float32
+    assert k.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
+    g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
+    A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
+    return _check_cu_seqlens(cu_seqlens), g_cumsum, A
 
 
 @functools.lru_cache(maxsize=None)

@@ -278,6 +278,14 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
             int(num_sms), int(consumers), bool(gate_warp))
 
 
+def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, g_cumsum: torch.Tensor,
+           A: torch.Tensor, *, num_sms: int, heads_per_cta: int = 0, consumers: int = 1, gate_warp: bool = False):
+    """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum and A (checked and
+    allocated by the caller, `prepare._fwd_outputs`; T > 0)."""
+    H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
+    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms, consumers, gate_warp)
+    _build_prepare_fwd_pipe(*args)(k, g, beta, cu_seqlens, g_cumsum, A)
+
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      chunk_size: int = 64, heads_per_cta: int = 0, consumers: int = 1,
@@ -285,21 +293,13 @@ def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_se
     """`prepare.prepare_fwd` by the persistent kernel whatever the head grouping and size (the launcher takes it
     where `prepare.use_pipe`): same arguments and results (A bit-identical to the one-shot kernel's).
     heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
-    from .prepare import _check_cu_seqlens, _num_sms  # noqa: PLC0415
+    from .prepare import _fwd_outputs, _num_sms  # noqa: PLC0415
 
-    _, n_tok, H, K = k.shape
-    HV = g.shape[-1]
-    assert chunk_size == 64 and K in SUPPORTED_K and HV % H == 0
-    assert k.dtype in (torch.bfloat16, torch.float16) and g.dtype == torch.float32
-    assert k.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
+    HV, H = g.shape[-1], k.shape[2]
     if heads_per_cta and (HV // H) % heads_per_cta:
         raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")
-    cu_seqlens = _check_cu_seqlens(cu_seqlens)
-    g_cumsum = _tl.alloc((1, n_tok, HV), torch.float32, k.device)
-    A = _tl.alloc((1, n_tok, HV, chunk_size), k.dtype, k.device)
-    if n_tok == 0:
-        return g_cumsum, A
-    kernel = _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, _num_sms(k.device),
-                                                   consumers, gate_warp))
-    kernel(k, g, beta, cu_seqlens, g_cumsum, A)
+    cu_seqlens, g_cumsum, A = _fwd_outputs(k, g, beta, cu_seqlens, chunk_size)
+    if k.shape[1] > 0:
+        launch(k, g, beta, cu_seqlens, g_cumsum, A, num_sms=_num_sms(k.device), heads_per_cta=heads_per_cta,
+               consumers=consumers, gate_warp=gate_warp)
     return g_cumsum, A

@@ -4,7 +4,7 @@
     python3 bench/exp_prepare_pipe.py --compile-only        # CPU: fill TileLang's cache (TILELANG_CACHE_DIR)
 
 Per row (the grid's head configs and sequence splits): the same inputs to the one-shot build and to the persistent
-one (`PIPE_VARIANTS`: the launcher's knobs, two consumer warpgroups, and those with a gate warp); A must be bit-identical and g_cumsum within fp32 rounding (max abs
+one (`PIPE_VARIANTS`: name -> `prepare_fwd_pipe` keyword arguments); A must be bit-identical and g_cumsum within fp32 rounding (max abs
 difference printed); then CUDA-graph medians with an L2 flush, interleaved rounds (bench/timing.py). The table is
 printed last.
 """
@@ -22,9 +22,10 @@ ROWS = ("h16v64/1x32768,h16v64/4096x8,h16v64/1024x8,h16v16/1x32768,h16v16/4096x8
         "h16v32/1x32768,h16v32/4096x8,h16v32/1024x8,h16v48/1x32768,h16v48/4096x8,h16v48/1024x8,h8v24/1x8192,"
         "h8v24/4096x8,h2v8/1x32768,h2v8/1x4096,h4v16/1x4096,h8v32/4096x8")
 K = 128
-# name -> `prepare_pipe.prepare_fwd_pipe` knobs (all of a key head's value heads per item; the one-shot kernel runs
-# with all of them per CTA too)
-PIPE_VARIANTS = {"pipe": {}, "pipe-2wg": {"consumers": 2}, "pipe-2wg-gate": {"consumers": 2, "gate_warp": True}}
+# name -> `prepare_pipe.prepare_fwd_pipe` keyword arguments (all of a key head's value heads per item; the one-shot
+# kernel runs with all of them per CTA too). Session 11 measured and removed two more: two consumer warpgroups per
+# CTA, with and without a gate warp (NOTES-gpu.md).
+PIPE_VARIANTS = {"pipe": {}}
 
 
 def parse(row):

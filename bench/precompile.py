@@ -36,49 +36,18 @@ def _test_modules():
 
 def tests():
     _test_modules()
-    from test_fwd import CASES as FWD_CASES
-    from test_fwd import SWITCH_SETS, VARIANT_CASES
-    from test_prepare import CASES as PREP_CASES
-    from test_prepare import KNOB_CASES
+    from _builds import fwd_builds, prepare_builds
 
-    from flashdelta.kernels import fused_fwd, prepare
-
-    for c in FWD_CASES:
-        args = fused_fwd.builder_args(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h0_dtype, c.K ** -0.5, c.h0,
-                                      c.state_v_first)
-        _timed(f"chunk_fwd {c.name}", lambda: fused_fwd.build(args))
-        if c in VARIANT_CASES:
-            for name, switches in SWITCH_SETS.items():
-                _timed(f"chunk_fwd {c.name} {name}", lambda: fused_fwd.build(args, **switches))
-    # every heads-per-CTA split (test_prepare_fwd_heads_per_cta runs them all; the launcher picks one by size)
-    for args in dict.fromkeys(prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
-                              for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)):
-        _timed(f"prepare_fwd {args[:3]} heads/CTA {args[-len(prepare.KNOBS)]}", lambda: prepare.build_fwd(args))
-    from flashdelta.kernels import prepare_pipe  # test_prepare_fwd_pipe: every value-head split
-    from test_prepare import PIPE_KNOBS
-    todo = [prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
-            for c in PREP_CASES for hpc in prepare.heads_per_cta_options(c.H, c.HV)]
-    todo += [prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, **knobs)
-             for c in PREP_CASES for knobs in PIPE_KNOBS]
-    for args in dict.fromkeys(todo):
-        _timed(f"prepare_fwd_pipe {args[:3]} heads/item {args[-4]} consumers {args[-2]} gate warp {args[-1]}",
-               lambda: prepare_pipe._build_prepare_fwd_pipe(*args))
-    for c, knobs in KNOB_CASES:     # test_prepare_fwd_knobs
-        args = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)
-        _timed(f"prepare_fwd {args[:3]} {knobs}", lambda: prepare.build_fwd(args, **knobs))
+    for label, build in fwd_builds(dev=True) + prepare_builds(dev=True):
+        _timed(label, build)
 
 
 def e2e():
     _test_modules()
-    from test_e2e_gpu import PAIRS
+    from _builds import e2e_builds
 
-    import flashdelta
-
-    for dtype in dict.fromkeys(d for _, d in PAIRS):
-        heads = sorted({(c.H, c.HV) for c, d in PAIRS if d == dtype})
-        _timed(f"e2e {dtype} heads {heads}", lambda: flashdelta.warmup(
-            heads, dtype=dtype, beta_dtype=dtype, initial_state=(False, True), state_v_first=(False, True),
-            progress=False))
+    for label, build in e2e_builds():
+        _timed(label, build)
 
 
 def main():

@@ -194,16 +194,19 @@ def chunk_gated_delta_rule(
 
 
 def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, scale=None,
-           initial_state=(False, True), state_v_first=(False,), progress=True) -> float:
+           initial_state=(False, True), state_v_first=(False,), num_sms=None, progress=True) -> float:
     """Compile the SM90 forward kernels for the given layer shapes into TileLang's persistent cache.
 
     Args:
         heads: iterable of ``(H, HV)`` pairs, e.g. ``[(16, 64)]``.
         head_dim: ``(K, V)``; dtype / beta_dtype: the q/k/v and beta dtypes the model passes;
         scale: the output scale (kernels specialise on it; default ``K ** -0.5``);
-        initial_state / state_v_first: which variants to build. Needs no GPU. Returns the seconds spent.
+        initial_state / state_v_first: which variants to build;
+        num_sms: SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200).
+        Needs no GPU. Returns the seconds spent. Bad arguments raise ValueError / TypeError naming them.
     """
     from .kernels.warmup import warmup as _warmup  # noqa: PLC0415
 
     return _warmup(list(heads), head_dim=tuple(head_dim), dtype=dtype, beta_dtype=beta_dtype, scale=scale,
-                   initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), progress=progress)
+                   initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), num_sms=num_sms,
+                   progress=progress)

@@ -43,7 +43,15 @@ def _cu(q: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     if cu_seqlens is None:
         B, T = q.shape[:2]
         return torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-    return cu_seqlens.to(torch.int32)
+    return cu_seqlens.to(torch.int32).contiguous()
+
+
+def _param(x: Tensor, kset: dispatch.KernelSet) -> Tensor:
+    """beta or the initial state as the kernel set takes it: a dtype its launchers lack (float64 into the fp32
+    kernels) goes in as float32, the precision they compute in."""
+    if kset.param_dtypes is None or x.dtype in kset.param_dtypes:
+        return x
+    return x.float()
 
 
 def _gate_dtype(q: Tensor) -> torch.dtype:
@@ -120,8 +128,8 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
         qf, kf = _l2norm(qf, kset)[0], _l2norm(kf, kset)[0]
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _param(_flat(beta), kset), _cu(q, cu_seqlens)
+    h0 = _param(initial_state, kset).contiguous() if initial_state is not None else None
     g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
     o, ht = kset.chunk_fwd(qf, kf, vf, g_cumsum, bf, A, h0, cu, scale=scale, state_v_first=state_v_first)
     return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
@@ -160,8 +168,8 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
         (qf, rq), (kf, rk) = _l2norm(qf, kset), _l2norm(kf, kset)
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _param(_flat(beta), kset), _cu(q, cu_seqlens)
+    h0 = _param(initial_state, kset).contiguous() if initial_state is not None else None
     dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
     g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
     h = kset.state_recompute(kf, vf, g_cumsum, bf, A, h0, cu, state_v_first=state_v_first)

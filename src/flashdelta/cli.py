@@ -122,8 +122,12 @@ def warmup(args) -> int:
 
     opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
                 beta_dtype=args.beta_dtype, scale=args.scale,
-                state_v_first=(args.state_v_first,))
-    n = len(variants(args.heads, **opts))
+                state_v_first=(args.state_v_first,), num_sms=args.num_sms)
+    try:
+        n = len(variants(args.heads, **opts))
+    except (TypeError, ValueError) as e:
+        print(f"flashdelta warmup: {e}", file=sys.stderr)
+        return 2
     print(f"flashdelta warmup: compiling {n} SM90 kernel variants into TileLang's cache", file=sys.stderr)
     seconds = run(args.heads, **opts)
     print(f"done in {seconds:.1f} s")
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
     w.add_argument("--beta-dtype", type=_dtype, default=torch.float32)
     w.add_argument("--scale", type=float, default=None, help="output scale (default K ** -0.5)")
     w.add_argument("--state-v-first", action="store_true")
+    w.add_argument("--num-sms", type=int, default=None,
+                   help="SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200)")
     w.set_defaults(func=warmup)
     args = parser.parse_args(argv)
     return args.func(args)

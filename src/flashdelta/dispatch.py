@@ -40,6 +40,7 @@ class KernelSet(NamedTuple):
     prepare_bwd: Optional[Callable]
     head_dims: Optional[tuple]          # supported (K, V) pairs; None = any
     dtypes: tuple                       # supported q/k/v dtypes
+    param_dtypes: Optional[tuple] = None  # beta / initial_state dtypes the launchers take (others go in as fp32)
 
     def has_fwd(self) -> bool:
         return self.prepare_fwd is not None and self.chunk_fwd is not None
@@ -70,7 +71,7 @@ def _sm90_set() -> KernelSet:
     from .kernels import SM90_HEAD_DIMS, chunk_fwd, l2norm_fwd, prepare_fwd  # noqa: PLC0415
 
     return KernelSet("sm90", l2norm_fwd, prepare_fwd, chunk_fwd, None, None, None, None, SM90_HEAD_DIMS,
-                     (torch.bfloat16, torch.float16))
+                     (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float16, torch.float32))
 
 
 _LOADERS = {"torch": _torch_set, "sm90": _sm90_set}

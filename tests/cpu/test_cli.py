@@ -47,3 +47,42 @@ def test_warmup_dtype_argument():
     assert cli._dtype("fp16") is torch.float16
     with pytest.raises(Exception, match="dtype must be one of"):
         cli._dtype("int8")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--head-dim", "96"], "head_dim"),
+    (["--dtype", "fp32"], "dtype"),
+    (["--num-sms", "0"], "num_sms"),
+])
+def test_warmup_rejects_what_has_no_kernel(argv, msg, capsys):
+    """Clear errors before any compile (not a builder's assertion)."""
+    assert cli.main(["warmup", "--heads", "2/8", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(head_dim=(128, 96)), ValueError, "head_dim"),
+    (dict(dtype=torch.float32), TypeError, "dtype"),
+    (dict(beta_dtype=torch.int32), TypeError, "beta_dtype"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(num_sms=-1), ValueError, "num_sms"),
+])
+def test_warmup_function_rejects_bad_arguments(kwargs, exc, msg):
+    import flashdelta
+
+    with pytest.raises(exc, match=msg):
+        flashdelta.warmup([(2, 8)], progress=False, **kwargs)
+    with pytest.raises(ValueError, match="heads"):
+        flashdelta.warmup([(2, 7)], progress=False)
+
+
+def test_warmup_num_sms_sizes_the_persistent_prepare():
+    """The persistent prepare build's grid is the target GPU's SM count (a cache built on a CPU for an H20 or
+    H100 PCIe must say so), float64 beta builds the fp32 kernels the forward runs."""
+    from flashdelta.kernels import prepare_pipe
+    from flashdelta.kernels.warmup import variants
+
+    for n in (78, 114, 132):
+        pipe = [a for _, b, a in variants([(16, 16)], num_sms=n) if b is prepare_pipe._build_prepare_fwd_pipe]
+        assert len(pipe) == 1 and pipe[0][-1] == n
+    assert variants([(2, 8)], beta_dtype=torch.float64) == variants([(2, 8)], beta_dtype=torch.float32)

@@ -181,28 +181,3 @@ def test_prepare_launcher_builds():
     assert not use(16, 48, 128, 4096, 1, 132)                      # ~2.7 items per CTA: the one-shot kernel
     assert not use(16, 32, 128, 32768, 1, 132) and not use(16, 64, 128, 32768, 1, 132)   # GVA 2, 4
     assert use(16, 16, 128, 8192, 1, 132) and not use(16, 16, 128, 8192, 1, 1000)        # grid size matters
-
-
-@pytest.mark.parametrize("knobs", [{"consumers": 2}, {"consumers": 2, "gate_warp": True}, {"gate_warp": True}],
-                         ids=lambda kn: "-".join(f"{a}{int(b)}" for a, b in kn.items()))
-@pytest.mark.parametrize("v", [PIPE_VARIANTS[4], PIPE_VARIANTS[2]], ids=_ids)
-def test_prepare_fwd_pipe_knobs_compile(v, knobs):
-    """The persistent build's development knobs: two consumer warpgroups (each its own K K^T, split, inverse call and
-    named barrier; the second one's fragment laid out for its own 128 threads) and the gate warp; shared memory and
-    registers sized for the CTAs per SM the build is made for."""
-    from flashdelta.kernels import prepare_pipe
-
-    H, HV, K = v[:3]
-    G = HV // H
-    cw, gw = knobs.get("consumers", 1), knobs.get("gate_warp", False)
-    src = prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(*v, num_sms=132, **knobs)).get_kernel_source()
-    assert sum("wgmma_ss<" in line for line in src.splitlines()) == cw
-    assert sum("fd_wy_inverse_warp<false>(" in line for line in src.splitlines()) == cw
-    assert all(f"__sync_thread_partial({w + 1}, 128)" in src for w in range(cw))
-    assert f"__sync_thread_partial({cw + 1}," not in src
-    blocks = prepare_pipe.blocks_per_sm(K, G, cw, gw)
-    assert f"__launch_bounds__({prepare_pipe.threads(cw, gw)}, {blocks})" in src
-    assert _dyn_smem_end(src) < prepare_pipe.SMEM_PER_SM // blocks - 1024
-    assert src.count("__syncthreads()") == 1 and f"fd_gate_cumsum<{G}>(" in src
-    if cw == 2:   # the second warpgroup's split indexes its fragment by (threadIdx.x >> 5) - 4 warps
-        assert "kkd_1" in src and "- 1088)] = kk_frag_1[" in src

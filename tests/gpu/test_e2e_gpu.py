@@ -22,7 +22,7 @@ CASES = [
 PAIRS = [(c, torch.bfloat16) for c in CASES] + [(CASES[1], torch.float16)]
 
 
-def _reference(x, l2norm):
+def _reference(x, l2norm, scale=None):
     x64 = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
     q, k = x64["q"], x64["k"]
     if l2norm:
@@ -31,7 +31,7 @@ def _reference(x, l2norm):
     cu = x["cu_seqlens"] if x["cu_seqlens"] is not None else torch.arange(B + 1, device=q.device) * T
     flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
     args = (flat(q), flat(k), flat(x64["v"]), flat(x64["g"]), flat(x64["beta"]), x64["initial_state"], cu)
-    kw = dict(scale=q.shape[-1] ** -0.5, state_v_first=x["state_v_first"])
+    kw = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, state_v_first=x["state_v_first"])
     o_ref, ht_ref, _, _ = chunked_fwd(*args, **kw)
     o_pt, ht_pt, _, _ = portable.chunked_fwd(*args, **kw, compute_dtype=torch.float32, operand_dtype=torch.bfloat16)
     return o_ref.reshape(x["v"].shape), ht_ref, o_pt.reshape(x["v"].shape), ht_pt
@@ -60,6 +60,26 @@ def test_sm90_l2norm_and_scale(monkeypatch):
     o_ref, ht_ref, o_pt, ht_pt = _reference(x, True)
     assert_close("o", o, o_ref, baseline=o_pt)
     assert_close("ht", ht, ht_ref, baseline=ht_pt)
+
+
+# a scale other than K^-0.5 (the kernels specialise on it; bench/precompile.py --e2e builds this one)
+OTHER_SCALE = 0.3
+
+
+def test_sm90_scale_and_float64_params(monkeypatch):
+    """A non-default scale, and float64 beta / initial state with bf16 q, k, v: the kernels take them as fp32 (their
+    compute precision), the final state comes back fp32."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    case = Case("scale-fp64", (700, 1, 1500), H=2, HV=8, K=128, V=128, pad=9)
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    x["beta"], x["initial_state"] = x["beta"].double(), x["initial_state"].double()
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(**x, scale=OTHER_SCALE, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    o_ref, ht_ref, o_pt, ht_pt = _reference(x, False, scale=OTHER_SCALE)
+    assert_close("o", o, o_ref, baseline=o_pt)
+    assert_close("ht", ht, ht_ref, baseline=ht_pt)
+    assert torch.all(o[:, -case.pad:] == 0)
 
 
 def test_sm90_forward_is_deterministic_and_graph_capturable(monkeypatch):

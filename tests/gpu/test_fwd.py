@@ -94,12 +94,20 @@ def test_chunk_fwd(case):
     _check(case, x, o, ht)
 
 
+# the cases of the tests below (tests/_builds.py compiles their kernels on the CPU too)
+MANY_SEQS = FwdCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False)
+DET = FwdCase("det", (5000, 77, 1), H=2, HV=8, pad=3)
+GRAPH = FwdCase("graph", (300, 64), H=2, HV=4)
+# test_offsets_past_2_31_elements: heads, dims and dtypes (its inputs are built in the test)
+BIG = FwdCase("2^31", (), H=16, HV=64, beta_dtype=torch.float32)
+
+
 def test_chunk_fwd_many_sequences():
     """70k sequences: more than a grid y/z dimension holds (the sequence index lives in grid x). The float64
     reference over all of them does not fit in memory, so a sample (every 7th sequence past index 65,529, plus the
     first 50) is checked: the full launch must match, bit for bit, the kernel run on the sample alone, and that
     run must match the reference."""
-    x = _inputs(FwdCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False))
+    x = _inputs(MANY_SEQS)
     o, ht = _run(x)
     cu = x["cu_seqlens"].tolist()
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -118,7 +126,7 @@ def test_chunk_fwd_many_sequences():
 
 
 def test_chunk_fwd_deterministic():
-    x = _inputs(FwdCase("det", (5000, 77, 1), H=2, HV=8, pad=3))
+    x = _inputs(DET)
     o1, h1 = _run(x)
     o2, h2 = _run(x)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
@@ -126,7 +134,7 @@ def test_chunk_fwd_deterministic():
 
 def test_chunk_fwd_graph_capturable():
     """No host synchronisation: the launch records into a CUDA graph and replays to the same result."""
-    x = _inputs(FwdCase("graph", (300, 64), H=2, HV=4))
+    x = _inputs(GRAPH)
     o_ref, h_ref = _run(x)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -147,7 +155,7 @@ def test_offsets_past_2_31_elements():
     and fused kernels. Its outputs from the big launch must equal, bit for bit, a launch on that sequence alone."""
     from flashdelta.kernels import prepare
 
-    H, HV, K, V = 16, 64, 128, 128
+    H, HV, K, V = BIG.H, BIG.HV, BIG.K, BIG.V
     T0, T1 = 2 ** 31 // (HV * V), 3000          # sequence 1 starts exactly at o element 2^31
     T = T0 + T1
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -155,12 +163,12 @@ def test_offsets_past_2_31_elements():
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
 
-    q = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).bfloat16()
-    v = randn(1, T, HV, V).bfloat16()
+    q = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(BIG.dtype)
+    k = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(BIG.dtype)
+    v = randn(1, T, HV, V).to(BIG.dtype)
     g = torch.nn.functional.logsigmoid(randn(1, T, HV)) / 16
-    beta = torch.sigmoid(randn(1, T, HV))
-    h0 = randn(2, HV, K, V)
+    beta = torch.sigmoid(randn(1, T, HV)).to(BIG.beta_dtype)
+    h0 = randn(2, HV, K, V).to(BIG.h0_dtype)
     cu = torch.tensor([0, T0, T], dtype=torch.int32, device="cuda")
     assert v.numel() > 2 ** 31 and T0 * HV * V == 2 ** 31
 

@@ -529,9 +529,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
 
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; v: ``[1, T, HV, V]`` (same dtype); (K, V) in `HEAD_DIMS`.
-        g_cumsum: ``[1, T, HV]`` fp32 chunk-local cumsum; beta: ``[1, T, HV]`` any float dtype.
+        g_cumsum: ``[1, T, HV]`` fp32 chunk-local cumsum; beta: ``[1, T, HV]`` bf16, fp16 or fp32.
         A: ``[1, T, HV, BT]`` in q's dtype (ungated WY inverse, from `prepare_fwd`).
-        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first), fp32 or bf16, or None.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first), fp32, bf16 or fp16, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
     Returns:
@@ -593,8 +593,7 @@ def _chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, 
         else:
             ht.copy_(initial_state)
         return o, ht, prof
-    if cu_seqlens.dtype != torch.int32:
-        cu_seqlens = cu_seqlens.to(torch.int32)
+    cu_seqlens = cu_seqlens.to(torch.int32).contiguous()      # no copy when it already is
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),

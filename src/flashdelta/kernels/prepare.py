@@ -271,7 +271,7 @@ def _build_prepare_bwd(HV: int, BT: int = 64):
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return cu_seqlens.to(torch.int32).contiguous()      # no copy when it already is
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,

@@ -6,6 +6,7 @@ shipped; TileLang keys it by the builder arguments and stores it under ``TILELAN
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Iterable, Optional
@@ -15,18 +16,49 @@ import torch
 from . import fused_fwd, l2norm, prepare
 
 
+_QKV = (torch.bfloat16, torch.float16)
+_PARAMS = (torch.bfloat16, torch.float16, torch.float32)     # beta / h0 dtypes the kernels take
+
+
+def _check(heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scale, num_sms) -> None:
+    """The same limits the launchers have, as clear errors (a builder would fail an assertion instead)."""
+    from . import SM90_HEAD_DIMS  # noqa: PLC0415
+
+    if tuple(head_dim) not in SM90_HEAD_DIMS:
+        raise ValueError(f"head_dim: (K, V)={tuple(head_dim)} has no SM90 kernels; supported: {list(SM90_HEAD_DIMS)}")
+    if dtype not in _QKV:
+        raise TypeError(f"dtype: the SM90 kernels take q/k/v in {list(_QKV)}, got {dtype}")
+    for name, dt in (("beta_dtype", beta_dtype), ("h0_dtype", h0_dtype)):
+        if dt not in _PARAMS + (torch.float64,):
+            raise TypeError(f"{name}: must be one of {list(_PARAMS + (torch.float64,))}, got {dt}")
+    for pair in heads:
+        if len(pair) != 2 or not all(isinstance(x, int) and x > 0 for x in pair) or pair[1] % pair[0]:
+            raise ValueError(f"heads: each entry must be (H, HV) with HV a positive multiple of H, got {pair!r}")
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"scale: must be finite, got {scale!r}")
+    if num_sms is not None and (not isinstance(num_sms, int) or num_sms <= 0):
+        raise ValueError(f"num_sms: must be a positive int, got {num_sms!r}")
+
+
 def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torch.bfloat16,
              beta_dtype=torch.float32, h0_dtype=torch.float32, scale: Optional[float] = None,
-             initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True) -> list:
+             initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True,
+             num_sms: Optional[int] = None) -> list:
     """(label, builder, args) for every kernel the forward of these head configs launches (with qk_l2norm, the
-    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too)."""
+    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too). float64 beta / h0 run as fp32 (as the forward
+    passes them). num_sms: the GPU's SM count, which sizes the persistent prepare kernel's grid (default: this
+    machine's GPU, else 132 as on H100 SXM / H200)."""
+    heads = [tuple(h) for h in heads]
+    _check(heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
+    beta_dtype = torch.float32 if beta_dtype == torch.float64 else beta_dtype
+    h0_dtype = torch.float32 if h0_dtype == torch.float64 else h0_dtype
     K, V = head_dim
     scale = K ** -0.5 if scale is None else float(scale)
     out = []
     if qk_l2norm:
         out.append((f"l2norm_fwd K={K}", l2norm._build_l2norm_fwd, l2norm.builder_args(K, dtype)))
     for H, HV in heads:
-        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype)   # the launcher picks one per call
+        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms)   # the launcher picks one per call
         for has_h0 in initial_state:
             for vfirst in state_v_first:
                 out.append((f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}",

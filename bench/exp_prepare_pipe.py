@@ -25,7 +25,7 @@ K = 128
 # name -> `prepare_pipe.prepare_fwd_pipe` keyword arguments (all of a key head's value heads per item; the one-shot
 # kernel runs with all of them per CTA too). Session 11 measured and removed two more: two consumer warpgroups per
 # CTA, with and without a gate warp (NOTES-gpu.md).
-PIPE_VARIANTS = {"pipe": {"fast_find": False}, "pipe-ff": {"fast_find": True}}
+PIPE_VARIANTS = {"pipe": {}}
 
 
 def parse(row):

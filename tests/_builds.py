@@ -58,10 +58,6 @@ def prepare_builds(dev: bool = False) -> list:
                 p = prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                 todo.setdefault(("pipe", p), (f"prepare_fwd_pipe {p[:3]} heads/item {hpc}",
                                               lambda p=p: prepare_pipe._build_prepare_fwd_pipe(*p)))
-            for knobs in t.PIPE_KNOBS:
-                p = prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, **knobs)
-                todo.setdefault(("pipe", p), (f"prepare_fwd_pipe {p[:3]} {knobs}",
-                                              lambda p=p: prepare_pipe._build_prepare_fwd_pipe(*p)))
     if dev:
         for c, knobs in t.KNOB_CASES:
             a = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)

@@ -181,17 +181,3 @@ def test_prepare_launcher_builds():
     assert not use(16, 48, 128, 4096, 1, 132)                      # ~2.7 items per CTA: the one-shot kernel
     assert not use(16, 32, 128, 32768, 1, 132) and not use(16, 64, 128, 32768, 1, 132)   # GVA 2, 4
     assert use(16, 16, 128, 8192, 1, 132) and not use(16, 16, 128, 8192, 1, 1000)        # grid size matters
-
-
-@pytest.mark.parametrize("v", [PIPE_VARIANTS[0], PIPE_VARIANTS[2]], ids=_ids)
-def test_prepare_fwd_pipe_fast_find_compiles(v):
-    """The producer's chunk lookup either way (`prepare_pipe.FAST_FIND`): the shuffle lookup calls fd_find_chunk and
-    loads no sequence bound after it; the other one searches, then loads bos and eos."""
-    from flashdelta.kernels import prepare_pipe
-
-    for fast in (False, True):
-        src = prepare_pipe._build_prepare_fwd_pipe(*prepare_pipe.builder_args(*v, num_sms=132, fast_find=fast))
-        body = src.get_kernel_source().split("__global__")[-1]
-        assert ("fd_find_chunk(" in body) is fast and ("fd_find_seq(" in body) is not fast
-        assert (body.count("cu_seqlens[") == 1) is fast     # only the search's base pointer
-

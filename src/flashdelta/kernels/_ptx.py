@@ -288,9 +288,6 @@ WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse
 # prepare_fwd's producer warp (the persistent build, `prepare_pipe`): whole-warp helpers, every lane calls them.
 # fd_find_seq: the last sequence n in [0, n_seqs] with cu[n] / bt + n <= slot (the chunk-slot numbering of
 # `prepare`'s module docstring), by a 32-way search per step (one step for up to 31 sequences).
-# fd_find_chunk: the same search, and the chunk's first token and its sequence's end (out = seq, t0, eos; eos = n_tok
-# on the padding tail), with bos and eos taken by shuffle from the search's own loads where it made them (for up to
-# 31 sequences the whole lookup is one global round trip instead of two).
 # fd_gate_cumsum<G>: the inclusive cumsums of G adjacent value heads' gate columns over a chunk, rows [0, rows) read
 # from g and written to gc (rows `pitch` floats apart), two rows per lane and a shuffle scan; zeros when `zero`.
 PRODUCER_PRELUDE = r"""
@@ -305,30 +302,6 @@ __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, 
     width = min(stride, width - (cnt - 1) * stride);
   }
   return lo;
-}
-__device__ __forceinline__ void fd_find_chunk(const int* cu, int slot, int n_seqs, int n_tok, int bt, int lane,
-                                              int* out) {
-  int lo = 0, width = n_seqs + 1, bos = 0, eos = 0;
-  bool have_bos = false, have_eos = false;
-  while (width > 1) {
-    const int stride = (width + 31) >> 5;
-    const int idx = lo + lane * stride;
-    const int v = cu[min(idx, n_seqs)];                 // every lane loads (in bounds), so lane cnt holds cu[lo + 1]
-    const bool ok = idx < lo + width && v / bt + idx <= slot;
-    const int cnt = __popc(__ballot_sync(0xffffffffu, ok));   // ok lanes are a prefix (lane 0 always)
-    bos = __shfl_sync(0xffffffffu, v, cnt - 1);          // cu[lo + (cnt - 1) * stride]: the new lo's start
-    eos = __shfl_sync(0xffffffffu, v, cnt & 31);         // cu[new lo + 1] when stride == 1 and cnt < 32
-    have_bos = true;
-    have_eos = stride == 1 && cnt < 32;
-    lo += (cnt - 1) * stride;
-    width = min(stride, width - (cnt - 1) * stride);
-  }
-  if (!have_bos) bos = cu[lo];
-  if (lo == n_seqs) eos = n_tok;
-  else if (!have_eos) eos = cu[lo + 1];
-  out[0] = lo;
-  out[1] = bos + (slot - bos / bt - lo) * bt;
-  out[2] = eos;
 }
 // the G value heads of an item at once (g, gc point at head 0; heads are adjacent): every load issued first
 template <int G>

@@ -45,9 +45,6 @@ THREADS = CONSUMERS + 32     # the consumer warpgroup and the producer warp
 MIN_REGS = 96               # registers per thread a build may be squeezed to (ptxas: the inverse spills a little here)
 IDLE, REAL, PAD = 0, 1, 2   # item kinds (meta_s[s, 2])
 NS = 2                      # key-tile ring slots: the item being inverted and the next one loading
-# The producer's chunk lookup: True takes bos and eos from the search's own loads by shuffle (`_ptx.fd_find_chunk`:
-# one global round trip for up to 31 sequences), False loads them after the search (two round trips).
-FAST_FIND = False
 
 # TileLang would put __syncthreads (all threads) where it cannot prove a buffer is thread-private; the roles
 # synchronise with mbarriers and each consumer warpgroup's named barrier only.
@@ -78,9 +75,9 @@ def blocks_per_sm(K: int, G: int) -> int:
 
 @tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_PASS_CONFIGS)
 def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str = BF16, beta_dtype: str = F32,
-                            heads_per_cta: int = 0, num_sms: int = 132, fast_find: bool = FAST_FIND):
+                            heads_per_cta: int = 0, num_sms: int = 132):
     """heads_per_cta as in `prepare._build_prepare_fwd` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(K, G)` CTAs (fewer when there are fewer items); fast_find: see `FAST_FIND`."""
+    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items)."""
     # problem config
     assert BT == 64 and HV % H == 0 and K in SUPPORTED_K
     G = heads_per_cta or HV // H    # value heads per item
@@ -177,23 +174,16 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
             else:
                 # ================= producer warp =================
                 lane = tx - CONSUMERS
-                chunk = T.alloc_local((3,), "int32") if fast_find else None   # seq, t0, eos of the current item
                 for i in T.serial(n_my):
                     it = bx + i * NC
                     i_s = it // NY
                     i_h = (it % NY) // NG
                     hv0 = (it % NY) * G
                     s = i % NS
-                    if fast_find:
-                        T.call_extern("handle", "fd_find_chunk", T.address_of(cu_seqlens[0]), i_s, n_seqs, n_tok, BT,
-                                      lane, T.address_of(chunk[0]))
-                        seq, t0, eos = chunk[0], chunk[1], chunk[2]
-                    else:
-                        seq = T.call_extern("int32", "fd_find_seq", T.address_of(cu_seqlens[0]), i_s, n_seqs, BT,
-                                            lane)
-                        bos = cu_seqlens[seq]
-                        t0 = bos + (i_s - bos // BT - seq) * BT
-                        eos = T.if_then_else(seq < n_seqs, cu_seqlens[T.min(seq + 1, n_seqs)], n_tok)
+                    seq = T.call_extern("int32", "fd_find_seq", T.address_of(cu_seqlens[0]), i_s, n_seqs, BT, lane)
+                    bos = cu_seqlens[seq]
+                    t0 = bos + (i_s - bos // BT - seq) * BT
+                    eos = T.if_then_else(seq < n_seqs, cu_seqlens[T.min(seq + 1, n_seqs)], n_tok)
                     T.barrier_wait(empty[s], ((i // NS) % 2) ^ 1)
                     if (t0 < eos) & (seq < n_seqs):
                         T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
@@ -217,26 +207,26 @@ def _build_prepare_fwd_pipe(HV: int, H: int, K: int, BT: int = 64, k_dtype: str 
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = 132, fast_find: bool = FAST_FIND) -> tuple:
+                 num_sms: int = 132) -> tuple:
     """The `_build_prepare_fwd_pipe` arguments (its compile-cache key) for one call; shared with `warmup`."""
     return (HV, H, K, 64, _TORCH_TO_TL[k_dtype], _TORCH_TO_TL[beta_dtype], _hpc_key(H, HV, heads_per_cta),
-            int(num_sms), bool(fast_find))
+            int(num_sms))
 
 
 def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, g_cumsum: torch.Tensor,
-           A: torch.Tensor, *, num_sms: int, heads_per_cta: int = 0, fast_find: bool = FAST_FIND):
+           A: torch.Tensor, *, num_sms: int, heads_per_cta: int = 0):
     """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum and A (checked and
     allocated by the caller, `prepare._fwd_outputs`; T > 0)."""
     H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
-    _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms, fast_find))(
+    _build_prepare_fwd_pipe(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms))(
         k, g, beta, cu_seqlens, g_cumsum, A)
 
 
 def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     chunk_size: int = 64, heads_per_cta: int = 0, fast_find: bool = FAST_FIND) -> tuple:
+                     chunk_size: int = 64, heads_per_cta: int = 0) -> tuple:
     """`prepare.prepare_fwd` by the persistent kernel whatever the head grouping and size (the launcher takes it
     where `prepare.use_pipe`): same arguments and results (A bit-identical to the one-shot kernel's).
-    heads_per_cta: value heads per work item, a divisor of HV / H (0: all); fast_find: see `FAST_FIND`."""
+    heads_per_cta: value heads per work item, a divisor of HV / H (0: all)."""
     from .prepare import _fwd_outputs, _num_sms  # noqa: PLC0415
 
     HV, H = g.shape[-1], k.shape[2]
@@ -244,6 +234,5 @@ def prepare_fwd_pipe(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_se
         raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")
     cu_seqlens, g_cumsum, A = _fwd_outputs(k, g, beta, cu_seqlens, chunk_size)
     if k.shape[1] > 0:
-        launch(k, g, beta, cu_seqlens, g_cumsum, A, num_sms=_num_sms(k.device), heads_per_cta=heads_per_cta,
-               fast_find=fast_find)
+        launch(k, g, beta, cu_seqlens, g_cumsum, A, num_sms=_num_sms(k.device), heads_per_cta=heads_per_cta)
     return g_cumsum, A

@@ -16,21 +16,16 @@ import torch
 from . import fused_fwd, l2norm, prepare
 
 
-_QKV = (torch.bfloat16, torch.float16)
-_PARAMS = (torch.bfloat16, torch.float16, torch.float32)     # beta / h0 dtypes the kernels take
-
-
-def _check(heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scale, num_sms) -> None:
-    """The same limits the launchers have, as clear errors (a builder would fail an assertion instead)."""
-    from . import SM90_HEAD_DIMS  # noqa: PLC0415
-
-    if tuple(head_dim) not in SM90_HEAD_DIMS:
-        raise ValueError(f"head_dim: (K, V)={tuple(head_dim)} has no SM90 kernels; supported: {list(SM90_HEAD_DIMS)}")
-    if dtype not in _QKV:
-        raise TypeError(f"dtype: the SM90 kernels take q/k/v in {list(_QKV)}, got {dtype}")
+def _check(kset, heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scale, num_sms) -> None:
+    """The limits the SM90 kernel set declares (`dispatch.KernelSet`), as clear errors before any compile (a builder
+    would fail an assertion instead)."""
+    if kset.head_dims is not None and tuple(head_dim) not in kset.head_dims:
+        raise ValueError(f"head_dim: (K, V)={tuple(head_dim)} has no SM90 kernels; supported: {list(kset.head_dims)}")
+    if dtype not in kset.dtypes:
+        raise TypeError(f"dtype: the SM90 kernels take q/k/v in {list(kset.dtypes)}, got {dtype}")
     for name, dt in (("beta_dtype", beta_dtype), ("h0_dtype", h0_dtype)):
-        if dt not in _PARAMS + (torch.float64,):
-            raise TypeError(f"{name}: must be one of {list(_PARAMS + (torch.float64,))}, got {dt}")
+        if not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(f"{name}: must be a floating-point torch dtype, got {dt}")
     for pair in heads:
         if len(pair) != 2 or not all(isinstance(x, int) and x > 0 for x in pair) or pair[1] % pair[0]:
             raise ValueError(f"heads: each entry must be (H, HV) with HV a positive multiple of H, got {pair!r}")
@@ -45,13 +40,16 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
              initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True,
              num_sms: Optional[int] = None) -> list:
     """(label, builder, args) for every kernel the forward of these head configs launches (with qk_l2norm, the
-    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too). float64 beta / h0 run as fp32 (as the forward
-    passes them). num_sms: the GPU's SM count, which sizes the persistent prepare kernel's grid (default: this
-    machine's GPU, else 132 as on H100 SXM / H200)."""
+    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too). beta / h0 dtypes the kernels lack (float64) build
+    the fp32 kernels the forward runs them with. num_sms: the GPU's SM count, which sizes the persistent prepare
+    kernel's grid (default: this machine's GPU, else 132 as on H100 SXM / H200)."""
+    from .. import dispatch  # noqa: PLC0415
+
+    kset = dispatch.load("sm90")
     heads = [tuple(h) for h in heads]
-    _check(heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
-    beta_dtype = torch.float32 if beta_dtype == torch.float64 else beta_dtype
-    h0_dtype = torch.float32 if h0_dtype == torch.float64 else h0_dtype
+    _check(kset, heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
+    # the dtypes the forward passes them in (autograd._param)
+    beta_dtype, h0_dtype = (dt if dt in kset.param_dtypes else torch.float32 for dt in (beta_dtype, h0_dtype))
     K, V = head_dim
     scale = K ** -0.5 if scale is None else float(scale)
     out = []

@@ -1,9 +1,10 @@
-"""The correctness gate that runs before any timing (style-anchors rule 15).
+"""The correctness gate that runs before any timing: a provider that computes the wrong thing is not timed.
 
 1. Small T: each provider on the case's heads with the sequence mix shrunk to <= 1024 tokens, against the
    float64 token-by-token reference ``flashdelta.reference.recurrent_gated_delta_rule`` (autograd of it for
-   the gradients), run on the GPU in float64. Bounds are DESIGN.md §5's: relative L2 <= 1e-2 for o, final
-   state, dq, dk, dv, dh0 and <= 2e-2 for dg, dbeta; NaN/Inf never passes.
+   the gradients), run on the GPU in float64. Error metric and bounds are ``flashdelta.numerics``'s (rel_l2,
+   TOLS; docs/numerics.md): relative L2 <= 1e-2 for o, final state, dq, dk, dv, dh0 and <= 2e-2 for dg, dbeta.
+   NaN never passes; a missing output or a shape mismatch counts as an infinite error.
 2. Full size: every pair of providers that passed (1), relative L2 between their outputs, bound twice the
    per-output tolerance (two independent bf16 implementations). A provider that disagrees with the majority of
    the others fails; when no majority exists (two providers, or all disagree), each is flagged ``mismatch``
@@ -14,27 +15,31 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-TOLS = {"o": 1e-2, "ht": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dh0": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
+from flashdelta import numerics
+
+TOLS = numerics.TOLS
 FULL_FACTOR = 2.0
 FWD_NAMES = ("o", "ht")
 ALL_NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def rel_l2(out, ref) -> float:
-    """``||out - ref|| / ||ref||`` in float64 on the tensors' device; inf if either has NaN/Inf or shapes
-    differ, or if ref is 0 and out is not."""
-    import torch
-
+    """`flashdelta.numerics.rel_l2` (NaN in out gives nan, which fails every bound), plus inf for a missing
+    output or a shape mismatch."""
     if out is None or ref is None or tuple(out.shape) != tuple(ref.shape):
         return math.inf
-    a, b = out.detach().double(), ref.detach().double()
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return math.inf
-    den = b.norm().item()
-    num = (a - b).norm().item()
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
+    return numerics.rel_l2(out, ref)
+
+
+def passes(err: float, name: str, factor: float = 1.0) -> bool:
+    """Whether `err` is within `factor` x TOLS[name]; NaN never passes."""
+    return err <= factor * TOLS[name]
+
+
+def _worst(errs) -> float:
+    """The largest error, NaN counting as the largest."""
+    errs = list(errs)
+    return math.nan if any(math.isnan(e) for e in errs) else max(errs, default=0.0)
 
 
 def reference(inp, *, grads: bool) -> dict:
@@ -68,10 +73,10 @@ def results(provider, inp, *, grads: bool) -> dict:
 
 
 def compare(outs: dict, ref: dict, names) -> tuple[float, str, bool]:
-    """(worst error / tolerance ratio expressed as the worst raw error, detail text, passed)."""
+    """(worst relative L2 error, ``name=err;...`` detail text, whether every output is within its bound)."""
     errs = {n: rel_l2(outs.get(n), ref[n]) for n in names}
-    ok = all(errs[n] <= TOLS[n] for n in names)
-    worst = max(errs.values())
+    ok = all(passes(errs[n], n) for n in names)
+    worst = _worst(errs.values())
     detail = ";".join(f"{n}={errs[n]:.2e}" for n in names)
     return worst, detail, ok
 
@@ -88,12 +93,9 @@ def full_size_verdicts(outs: dict, names) -> dict:
     pair = {}
     for i, a in enumerate(provs):
         for b in provs[i + 1:]:
-            worst, bad = 0.0, False
-            for n in names:
-                e = rel_l2(outs[a].get(n), outs[b].get(n))
-                worst = max(worst, e)
-                bad |= not e <= FULL_FACTOR * TOLS[n]
-            pair[(a, b)] = pair[(b, a)] = (worst, bad)
+            errs = {n: rel_l2(outs[a].get(n), outs[b].get(n)) for n in names}
+            bad = not all(passes(errs[n], n, FULL_FACTOR) for n in names)
+            pair[(a, b)] = pair[(b, a)] = (_worst(errs.values()), bad)
     def bad(a, b):
         return pair[(a, b)][1]
 

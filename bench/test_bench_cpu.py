@@ -1,6 +1,6 @@
 """CPU checks of the benchmark's own logic (no GPU): ``python -m pytest bench/test_bench_cpu.py``.
 
-Not part of the package's test suite (pytest's testpaths is tests/); run it after editing bench/.
+pytest's testpaths include bench/, so the package's test command runs these too.
 """
 from __future__ import annotations
 
@@ -88,9 +88,25 @@ def test_full_size_verdicts():
     assert three["a"][0] == "ok" and three["b"][0] == "ok" and three["c"][0] == "fail"
     two = gate.full_size_verdicts({"a": {"o": base}, "c": {"o": far}}, ("o",))
     assert two["a"][0] == two["c"][0] == "mismatch"
+
+def test_gate_uses_numerics_and_nan_fails():
+    import torch
+
+    from flashdelta import numerics
+
+    assert gate.TOLS is numerics.TOLS
+    base = torch.randn(64, dtype=torch.float64)
     nan = base.clone()
     nan[3] = float("nan")
-    assert gate.rel_l2(nan, base) == math.inf
+    assert math.isnan(gate.rel_l2(nan, base))
+    assert gate.rel_l2(None, base) == math.inf and gate.rel_l2(base[:8], base) == math.inf
+    worst, detail, ok = gate.compare({"o": nan, "ht": base}, {"o": base, "ht": base}, ("o", "ht"))
+    assert not ok and math.isnan(worst) and "o=nan" in detail
+    worst, _, ok = gate.compare({"o": base, "ht": base}, {"o": base, "ht": base}, ("o", "ht"))
+    assert ok and worst == 0.0
+    # a NaN output at full size is the odd one out against two providers that agree
+    v = gate.full_size_verdicts({"a": {"o": base}, "b": {"o": base.clone()}, "c": {"o": nan}}, ("o",))
+    assert v["a"][0] == v["b"][0] == "ok" and v["c"][0] == "fail"
 
 
 @pytest.mark.parametrize("grads", [False, True])

@@ -19,7 +19,7 @@ COLUMNS = (
     "provider", "status", "ms", "p20", "p80", "reps", "cp", "tflops", "tbps", "floor_ms", "floor_frac",
     "timing", "gate_err", "gate_detail", "gate_seqlens", "full_err", "full_ref", "seed", "note",
 )
-# speedup targets drawn on the chart (DESIGN.md / the project's goals)
+# speedup targets drawn on the chart (the project's goals; docs/performance.md)
 TARGETS = {"flashqla": 1.2, "fla": 2.0}
 COLORS = {"fla": "#1f77b4", "flashqla": "#d62728", "flashdelta": "#2ca02c"}
 

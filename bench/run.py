@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 # FLA reads this on every call, but set it before anything can import fla: without it FLA dispatches its
-# public chunk_gated_delta_rule to FlashQLA whenever flash_qla is installed (reference/baselines.md §0).
+# public chunk_gated_delta_rule to FlashQLA whenever flash_qla is installed (docs/performance.md).
 os.environ["FLA_FLASH_QLA"] = "0"
 
 import argparse  # noqa: E402

@@ -1,4 +1,4 @@
-"""The benchmark grid as named presets (DESIGN.md §6; FlashQLA's H200 grid, flashqla-brief.md §6.2).
+"""The benchmark grid as named presets (FlashQLA's own H200 grid; docs/performance.md).
 
 A `Case` is one (suite, heads, sequence mix). Sequence mixes are varlen with B = 1 and `cu_seqlens`.
 
@@ -105,8 +105,8 @@ def parse_seqlens(text: str) -> tuple[int, ...]:
 def flashqla_rule_splits(hv: int, seqlens) -> bool:
     """Whether FlashQLA's SM90 rule, as the forward issue states it, splits sequences inside the GPU: with
     ``Be`` = total chunks / chunks of the longest sequence, it splits when ``Be * HV <= 40``, or ``<= 56`` when the
-    longest sequence has 8k tokens or more. (The 0.1.3 wheel decides with a calibrated model instead, see
-    ../shared/reference/flashqla-brief.md §3.7: the benchmark records what it actually did in the ``cp`` column.)"""
+    longest sequence has 8k tokens or more. (The 0.1.3 wheel decides with a calibrated model instead: the
+    benchmark records what it actually did in the ``cp`` column.)"""
     lens = [int(x) for x in seqlens]
     chunks = [-(-L // 64) for L in lens]
     longest = max(chunks)

@@ -15,11 +15,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(ROOT, "src"))
+sys.path.insert(2, os.path.join(HERE, "dev"))
 
 import gate  # noqa: E402
 import report  # noqa: E402
+import ncu_sites  # noqa: E402  (bench/dev)
 import shapes  # noqa: E402
-import ncu_sites  # noqa: E402
 import timing  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def test_quick_subset():
 def test_flop_and_floor_model():
     assert timing.fwd_flops_per_token_head() == 163_840
     assert timing.bwd_flops_per_token_head() == 491_520
-    # DESIGN.md §6: TP1 (16/64) 1x32k: compute floor 0.44 ms, memory floor 0.32 ms
+    # docs/performance.md: TP1 (16/64) 1x32k: compute floor 0.44 ms, memory floor 0.32 ms
     rf = timing.roofline("fwd", 32768, 16, 64, 1)
     assert abs(rf.compute_ms - 0.435) < 0.005 and abs(rf.memory_ms - 0.318) < 0.005
     assert math.isclose(rf.floor_frac(rf.floor_ms * 2), 0.5)

@@ -1,7 +1,7 @@
 """Timing (CUDA-graph replay, CUDA events) and the GDN FLOP / byte models.
 
 FLOP model (per value head, per chunk of C tokens; K = key dim, V = value dim; a GEMM m x n x k costs 2mnk).
-Forward, the chunk step of DESIGN.md §2 (ungated WY inverse, as FlashQLA and flashdelta compute it):
+Forward, the chunk step of docs/algorithm.md §2 (ungated WY inverse, as FlashQLA and flashdelta compute it):
 
     K K^T            C x C x K     (A = (I + strictly_lower(diag(b) K K^T))^-1; the 64x64 solve is not counted)
     K S0             C x V x K     (W = V - D K S0)
@@ -14,7 +14,7 @@ Forward, the chunk step of DESIGN.md §2 (ungated WY inverse, as FlashQLA and fl
     per token: 2 (3 K V + 2 C K + 2 C V) = 163,840 FLOP for C = 64, K = V = 128  ("about 164 k").
 
 Backward = state recompute (K S0, Ag W, K^T R Vd per chunk) plus the fused reverse walk, which rebuilds
-K S0, Ag W, Q K^T, K K^T and forms every term of flashqla-brief.md §4.2:
+K S0, Ag W, Q K^T, K K^T and forms every term of docs/algorithm.md §3:
 dV' (R K dS1, Pg^T dO), dV = Ag^T dV', dAg = dV' W^T, dL = A^T dA A^T (two C x C x C), dPg = dO V'^T,
 dq (D dO S0^T, dP K), dk (R V' dS1^T, dU S0^T, dP^T Q, (dAt + dAt^T) K), dS0 (K^T dU, Q^T D dO):
 
@@ -38,7 +38,7 @@ import statistics
 from typing import Callable
 
 CHUNK = 64
-PEAK_TFLOPS = 790.0     # bf16 dense, measured on the H200 (DESIGN.md §6)
+PEAK_TFLOPS = 790.0     # bf16 dense, measured on the H200 (docs/performance.md)
 PEAK_TBPS = 4.3         # device memory, measured on the H200
 FLOP_MODEL = "gdn-c64-v1"
 

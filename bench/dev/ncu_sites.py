@@ -1,11 +1,11 @@
-"""Per-role stall summary of an Nsight Compute source page (development tool, NOTES-gpu.md session 9).
+"""Per-role stall summary of an Nsight Compute source page.
 
     # GPU machine: one report, then its SASS source page as CSV
     ncu --clock-control none --section SourceCounters --section WarpStateStats -k regex:chunk_fwd \\
-        --profile-from-start off -o /tmp/rep python3 bench/ncu_forward.py --tokens 8192
+        --profile-from-start off -o /tmp/rep python3 bench/dev/ncu_forward.py --tokens 8192
     ncu -i /tmp/rep.ncu-rep --page source --print-source sass --csv > $OUT/src.csv
     # anywhere
-    python3 bench/ncu_sites.py src.csv [--top 8]
+    python3 bench/dev/ncu_sites.py src.csv [--top 8]
 
 Warp-specialized kernels put each role in its own code region, opened by a ``USETMAXREG`` (setmaxnreg): the
 producer's DEALLOC, then one TRY_ALLOC per consumer warpgroup. This splits every profiled kernel of the CSV at

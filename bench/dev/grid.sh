@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The full forward grid (96 rows, DESIGN.md §6) in at most two device calls, logs and CSVs under $OUT.
-#   source .device/bootstrap.sh; FLASHDELTA_COMMIT=$(git rev-parse --short HEAD) bash bench/grid.sh 1   # heads 1-4
-#   ... bash bench/grid.sh 2                                                                            # heads 5-8
-#   ... MAX_S=450 bash bench/grid.sh all    # all 8 in one call (~330 s on an H200 with 16 cores; MAX_S caps it)
+# The full forward grid (96 rows, docs/performance.md) in one or two device calls, logs and CSVs under $OUT.
+#   source .device/bootstrap.sh; FLASHDELTA_COMMIT=<sha> bash bench/dev/grid.sh 1   # heads 1-4
+#   ... bash bench/dev/grid.sh 2                                                     # heads 5-8
+#   ... MAX_S=450 bash bench/dev/grid.sh all  # all 8 in one call (~330 s on an H200 with 16 cores; MAX_S caps it)
+# (The device copy has no .git: expand FLASHDELTA_COMMIT=$(git rev-parse --short HEAD) on this side.)
 # Phase 1 compiles every provider's kernels for this half's head configs in parallel processes (one per head
 # config, timings discarded: one rep, no gate), so the JIT work (FlashQLA's TileLang kernels take ~80 s per head
 # config, FLA's Triton kernels less) runs concurrently on the host's cores and lands in the on-disk caches.
 # Phase 2 times the half sequentially in one process with the normal protocol (gate, CUDA graphs, medians).
-# Carry a TileLang cache with flashdelta's kernels (bench/precompile.py --grid, bench/tlcache.sh) to skip their
-# compile too.
+# Carry a TileLang cache with flashdelta's kernels (bench/precompile.py --grid, bench/dev/tlcache.sh) to skip
+# their compile too. Merge the CSVs of two halves with `python3 bench/report.py a.csv b.csv --png merged.png`.
 set -u
-HALF=${1:?usage: grid.sh 1|2|all}
+HALF=${1:?usage: bench/dev/grid.sh 1|2|all}
 MAX_S=${MAX_S:-570}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export FLASHDELTA_COMMIT=${FLASHDELTA_COMMIT:-unknown}

@@ -1,7 +1,7 @@
-"""Drive the launcher's prepare_fwd and chunk_fwd once each for Nsight Compute (development tool, NOTES-gpu.md).
+"""Drive the launchers' prepare_fwd and chunk_fwd once each for Nsight Compute.
 
-    source .device/bootstrap.sh; ncu --clock-control none --set full -k regex:"prepare|chunk_fwd" \\
-        python3 bench/ncu_forward.py --tokens 32768 --heads 16/64
+    source .device/bootstrap.sh; ncu --clock-control none --profile-from-start off --set full \\
+        -k regex:"prepare|chunk_fwd" -o /tmp/fwd python3 bench/dev/ncu_forward.py --tokens 32768 --heads 16/64
 
 One warm-up call of each kernel outside the profiled range (compile/load), then one profiled call of each
 (cudaProfilerStart/Stop; run ncu with --profile-from-start off).
@@ -12,9 +12,9 @@ import argparse
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "src"))
 
 
 def main():
@@ -25,15 +25,14 @@ def main():
     import torch
 
     from flashdelta.kernels import fused_fwd, prepare
-    from profile_fwd import make_inputs
+    from providers import make_inputs
 
     H, HV = (int(x) for x in args.heads.split("/"))
-    q, k, v, gc, beta, A, h0, cu = make_inputs(args.tokens, H, HV)
-    g = torch.nn.functional.logsigmoid(torch.randn_like(gc)) / 16
+    x = make_inputs((args.tokens,), H, HV, seed=0)       # the benchmark's inputs (bench/README.md)
 
     def run():
-        g_cumsum, A_k = prepare.prepare_fwd(k, g, beta, cu)
-        return fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A_k, h0, cu, scale=128 ** -0.5)
+        g_cumsum, A = prepare.prepare_fwd(x.k, x.g, x.beta, x.cu)
+        return fused_fwd.chunk_fwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.h0, x.cu, scale=x.scale)
 
     run()
     torch.cuda.synchronize()

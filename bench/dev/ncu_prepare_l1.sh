@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Which part of the L1/shared-memory unit paces prepare_fwd (development tool; NOTES-gpu.md session 7 has its
-# first run: the LSU data pipe, 86% busy at 16/64 1x32k). One profiled prepare_fwd launch; the breakdown of
+# Which part of the L1/shared-memory unit paces prepare_fwd (docs/dev/prepare.md has what it found: the LSU data
+# pipe, 86% busy at 16/64 1x32k). One profiled prepare_fwd launch; the breakdown of
 # l1tex__throughput into its sub-units plus shared/global traffic by direction, as a raw CSV under $OUT and a
 # short table on stdout.
-#   source .device/bootstrap.sh; source bench/tlcache.sh unpack; bash bench/ncu_prepare_l1.sh [TOKENS] [H/HV]
+#   source .device/bootstrap.sh; source bench/dev/tlcache.sh unpack; bash bench/dev/ncu_prepare_l1.sh [TOKENS] [H/HV]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TOKENS=${1:-32768}; HEADS=${2:-16/64}
@@ -16,7 +16,7 @@ for m in l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum l1tex__data_pipe_l
   METRICS="$METRICS,$m"
 done
 timeout 240 ncu --clock-control none --profile-from-start off -k regex:prepare --metrics "$METRICS" --csv \
-  --page raw python3 bench/ncu_forward.py --tokens "$TOKENS" --heads "$HEADS" > "$OUT/ncu_prepare_l1.csv" 2>&1
+  --page raw python3 bench/dev/ncu_forward.py --tokens "$TOKENS" --heads "$HEADS" > "$OUT/ncu_prepare_l1.csv" 2>&1
 python3 - "$OUT/ncu_prepare_l1.csv" <<'PY'
 import csv, sys
 lines = [l for l in open(sys.argv[1]) if l.startswith('"')]

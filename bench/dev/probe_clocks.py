@@ -1,28 +1,25 @@
-"""Probe (development, NOTES-gpu.md session 8): the SM clock and power while the fused forward runs, by CTA count.
+"""The SM clock, power and throttle reasons while the fused forward runs back to back, by head config.
 
-    source .device/bootstrap.sh; python3 -u bench/probe_clocks.py [--heads 16/64,8/32,2/8] [--seconds 3]
+    source .device/bootstrap.sh; python3 -u bench/dev/probe_clocks.py [--heads 16/64,8/32,2/8] [--seconds 3]
 
-The fused kernel's chunk period is ~1.58 us with 64 CTAs and ~1.70-1.73 us with 128 (one CTA per SM either way).
-If the GPU lowers its clock under the heavier load (power or thermal limits), the period follows the clock. For
-each head config (one 32k-token sequence: 2 HV CTAs) this runs the launcher's fused kernel back to back for
-`--seconds` while `nvidia-smi` samples clocks, power and throttle reasons every 50 ms, and prints per config: the
-kernel's median time, its period per chunk, and the samples' median SM clock, power and throttle reasons.
---modules compares builds from other modules of `flashdelta.kernels` with fused_fwd's builder interface (session 9:
-the work-items experiment's `_fused_fwd_wiu`, whose kernels take the CTA count as their last argument).
+For each head config (one sequence of --tokens tokens: 2 HV CTAs at K = V = 128) this runs the launcher's fused
+kernel (`chunk_fwd`, prepare's outputs computed once beforehand) back to back for --seconds while `nvidia-smi`
+samples clocks, power and throttle reasons every 50 ms, and prints per config: the kernel's median time, its
+period per chunk, and the samples' median SM clock, power and throttle reasons. What it found on the H200 (the
+700 W cap at 128 CTAs) is in docs/dev/fused_fwd.md.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "src"))
 
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -32,29 +29,25 @@ def main():
     ap.add_argument("--heads", default="16/64,8/32,2/8")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--modules", default="fused_fwd", help="comma-separated modules of flashdelta.kernels")
     args = ap.parse_args()
 
     import torch
 
-    from profile_fwd import make_inputs
+    from flashdelta.kernels import fused_fwd, prepare
+    from providers import make_inputs
 
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     windows, results = [], []
-    for spec, mod_name in [(s, m) for s in args.heads.split(",") for m in args.modules.split(",")]:
+    for spec in args.heads.split(","):
         H, HV = (int(x) for x in spec.split("/"))
-        ff = importlib.import_module(f"flashdelta.kernels.{mod_name}")
-        q, k, v, gc, beta, A, h0, cu = make_inputs(args.tokens, H, HV)
-        build = ff.build(ff.builder_args(H, HV, 128, 128, q.dtype, beta.dtype, h0.dtype, 128 ** -0.5, True, False))
-        extra = (ff.grid_ctas(1, HV, 128, q.device),) if mod_name != "fused_fwd" else ()
+        x = make_inputs((args.tokens,), H, HV, seed=0)
+        g_cumsum, A = prepare.prepare_fwd(x.k, x.g, x.beta, x.cu)
 
-        def kern(*a, build=build, extra=extra):
-            build(*a, *extra)
+        def kern(x=x, g_cumsum=g_cumsum, A=A):
+            fused_fwd.chunk_fwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.h0, x.cu, scale=x.scale)
 
-        o = torch.empty_like(v)
-        ht = torch.empty_like(h0)
-        kern(q, k, v, gc, beta, A, h0, cu, o, ht)
+        kern()
         torch.cuda.synchronize()
         time.sleep(1.0)                                # let the clock settle between configs
         t_start, times = time.time(), []
@@ -62,11 +55,10 @@ def main():
             evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
             for a, b in evs:
                 a.record()
-                kern(q, k, v, gc, beta, A, h0, cu, o, ht)
+                kern()
                 b.record()
             torch.cuda.synchronize()
             times += [a.elapsed_time(b) for a, b in evs]
-        spec = f"{spec} {mod_name}" if mod_name != "fused_fwd" else spec
         windows.append((spec, t_start + 0.5, time.time()))   # skip the first half second
         results.append((spec, 2 * HV, statistics.median(times), len(times)))
         print(f"{spec}: {statistics.median(times):.4f} ms over {len(times)} launches", flush=True)

@@ -1,7 +1,9 @@
 """Cold-start cost of flashdelta's SM90 forward: the first call in a fresh process with an empty TileLang
 cache, the same after `flashdelta warmup`, and a steady-state call, each in its own process.
 
-    python bench/coldstart.py [--heads 16/64] [--tokens 4096]
+    python3 bench/dev/coldstart.py [--heads 16/64] [--tokens 4096] [--profile]
+
+`import tilelang` is timed apart from the first call (flashdelta imports it lazily, on the first SM90 call).
 """
 import argparse
 import os

@@ -55,25 +55,36 @@ def _can_read_values(x: Tensor) -> bool:
     return True
 
 
-# The last cu_seqlens whose values were validated: (weak reference, version counter, T). Every layer of a
-# model call passes the same tensor, so only the first pays the device-to-host copy.
+# The last cu_seqlens whose values were read from the device and validated: (weak reference, version counter, T).
+# Every layer of a model call passes the same tensor, so only the first pays the device-to-host copy. Inference
+# tensors have no version counter (an in-place change could not be seen), so they are never cached.
 _validated: list = [None]
 
 
-def _check_cu_values(cu: Tensor, T: int) -> None:
-    last = _validated[0]
-    if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == T:
-        return
-    host = cu.cpu()
+def _check_cu_values(host: Tensor, T: int, name: str) -> None:
+    """The values of cu_seqlens, read from `host` (a CPU tensor): 0 first, non-decreasing, at most T."""
     if host[0].item() != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {host[0].item()}")
+        raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
     steps = host[1:] - host[:-1]
     if (steps < 0).any():
         i = int(torch.nonzero(steps < 0)[0])
-        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}]={host[i].item()} > "
-                         f"cu_seqlens[{i + 1}]={host[i + 1].item()}")
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i}]={host[i].item()} > "
+                         f"{name}[{i + 1}]={host[i + 1].item()}")
     if host[-1].item() > T:
-        raise ValueError(f"cu_seqlens[-1]={host[-1].item()} exceeds the token count T={T} of q")
+        raise ValueError(f"{name}[-1]={host[-1].item()} exceeds the token count T={T} of q")
+
+
+def _check_cu_device_values(cu: Tensor, T: int) -> None:
+    """Validate cu_seqlens from a host copy of it: one device-to-host copy, skipped when this same tensor, unchanged
+    since (same version counter), passed the check for the same T on the previous call (never for an inference
+    tensor)."""
+    if cu.is_inference():
+        _check_cu_values(cu.cpu(), T, "cu_seqlens")
+        return
+    last = _validated[0]
+    if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == T:
+        return
+    _check_cu_values(cu.cpu(), T, "cu_seqlens")
     _validated[0] = (weakref.ref(cu), cu._version, T)
 
 
@@ -89,7 +100,7 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
     if cu.device != device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
     if _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
-        _check_cu_values(cu, T)
+        _check_cu_device_values(cu, T)
 
 
 def chunk_gated_delta_rule(
@@ -126,7 +137,10 @@ def chunk_gated_delta_rule(
             in the layout of initial_state.
         use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries for varlen input (B must be 1), FlashAttention
-            convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient.
+            convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient. Its values are
+            checked on the host: the first call with each new cu_seqlens tensor costs one device-to-host copy (a
+            synchronisation; later calls with the same, unmodified tensor reuse the check), and every call with an
+            inference tensor (``torch.inference_mode``) costs one.
         state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
 
     Returns:

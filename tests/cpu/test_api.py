@@ -232,3 +232,33 @@ def test_fallback_warning_points_at_the_caller(monkeypatch):
     with pytest.warns(UserWarning, match="running the portable PyTorch path") as rec:
         chunk_gated_delta_rule(**x)
     assert len(rec) == 1 and rec[0].filename == __file__
+
+
+def test_inference_mode_dense_and_varlen():
+    """Serving engines call under torch.inference_mode(): its tensors have no version counter, so cu_seqlens
+    made there is validated on every call (never cached by identity: it can change in place). Same results as
+    under no_grad, dense and varlen, and an in-place change is seen."""
+    x = _good(T=8)
+    cu_values = [0, 3, 8]
+    with torch.no_grad():
+        o_dense, ht_dense = chunk_gated_delta_rule(**x, output_final_state=True)
+        o_var, ht_var = chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor(cu_values), output_final_state=True)
+    with torch.inference_mode():
+        xi = {n: t.clone() for n, t in x.items()}
+        o, ht = chunk_gated_delta_rule(**xi, output_final_state=True)
+        assert torch.equal(o, o_dense) and torch.equal(ht, ht_dense)
+        cu = torch.tensor(cu_values)
+        assert cu.is_inference()
+        for _ in range(2):
+            o, ht = chunk_gated_delta_rule(**xi, cu_seqlens=cu, output_final_state=True)
+            assert torch.equal(o, o_var) and torch.equal(ht, ht_var)
+        cu[1] = 9
+        with pytest.raises(ValueError, match=r"non-decreasing; cu_seqlens\[1\]=9"):
+            chunk_gated_delta_rule(**xi, cu_seqlens=cu)
+        cu[1] = 3
+        o, _ = chunk_gated_delta_rule(**x, cu_seqlens=cu)  # ordinary inputs, an inference cu_seqlens
+        assert torch.equal(o, o_var)
+    with torch.no_grad():  # an inference tensor outside inference mode: still no version counter
+        o, _ = chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    assert torch.equal(o, o_var)
+

@@ -88,7 +88,7 @@ def _check_cu_device_values(cu: Tensor, T: int) -> None:
     _validated[0] = (weakref.ref(cu), cu._version, T)
 
 
-def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.device) -> None:
     cu = _tensor("cu_seqlens", cu_seqlens, 1)
     if cu.dtype not in _INDEX_DTYPES:
         raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
@@ -99,8 +99,19 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> None:
         raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
-    if _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
-        _check_cu_device_values(cu, T)
+    if cu_seqlens_cpu is None:
+        if _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
+            _check_cu_device_values(cu, T)
+        return
+    host = _tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1)
+    if host.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens_cpu has dtype {host.dtype}; expected torch.int32 or torch.int64")
+    if host.shape != cu.shape:
+        raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu.shape)}, got {tuple(host.shape)}")
+    if host.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens), got {host.device}")
+    if _can_read_values(host):  # a host tensor: readable under CUDA-graph capture too, not inside torch.compile
+        _check_cu_values(host, T, "cu_seqlens_cpu")
 
 
 def chunk_gated_delta_rule(
@@ -115,6 +126,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     *,
+    cu_seqlens_cpu: Optional[Tensor] = None,
     state_v_first: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet, chunked: the FLA-compatible drop-in.
@@ -138,9 +150,12 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries for varlen input (B must be 1), FlashAttention
             convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient. Its values are
-            checked on the host: the first call with each new cu_seqlens tensor costs one device-to-host copy (a
-            synchronisation; later calls with the same, unmodified tensor reuse the check), and every call with an
-            inference tensor (``torch.inference_mode``) costs one.
+            checked on the host: without ``cu_seqlens_cpu``, the first call with each new cu_seqlens tensor costs
+            one device-to-host copy (a synchronisation; later calls with the same, unmodified tensor reuse the
+            check), and every call with an inference tensor (``torch.inference_mode``) costs one.
+        cu_seqlens_cpu: ``[N + 1]`` int32/int64 CPU tensor, a host copy of cu_seqlens (FLA's name): the values are
+            validated from it, so no device-to-host copy happens. It must hold cu_seqlens' values (not checked
+            against the device tensor, which would cost the copy it saves).
         state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
 
     Returns:
@@ -184,7 +199,9 @@ def chunk_gated_delta_rule(
     state_v_first = _flag("state_v_first", state_v_first)
 
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens; pass both (cu_seqlens_cpu is its host copy)")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None:
         _tensor("initial_state", initial_state, 4)

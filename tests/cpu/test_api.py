@@ -262,3 +262,74 @@ def test_inference_mode_dense_and_varlen():
         o, _ = chunk_gated_delta_rule(**x, cu_seqlens=cu)
     assert torch.equal(o, o_var)
 
+
+class _HostReads(torch.Tensor):
+    """A tensor that records every call that copies its values to the host (a device-to-host copy for a GPU
+    tensor), by the function's name, in `reads`. Results are plain tensors (only `.cpu()` of a CPU tensor returns
+    the tensor itself)."""
+    reads: list = []
+    READERS = {"cpu", "to", "tolist", "item", "numpy", "__array__", "__index__", "__int__", "__bool__", "copy_"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in cls.READERS and any(type(a) is cls for a in args):
+            cls.reads.append(name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _no_backend(monkeypatch):
+    """The public function's validation only: the backend call returns zeros (the portable backend reads
+    cu_seqlens on the host itself)."""
+    from flashdelta import api
+
+    monkeypatch.setattr(api, "forward", lambda q, k, v, *rest: (torch.zeros(v.shape), torch.zeros(0)))
+
+
+def test_cu_seqlens_cpu_avoids_the_device_to_host_copy(monkeypatch):
+    _no_backend(monkeypatch)
+    x = _good(T=8)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32).as_subclass(_HostReads)
+    _HostReads.reads = []
+    for _ in range(3):
+        chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 3, 8]))
+    assert _HostReads.reads == []
+    with torch.inference_mode():
+        cu_inf = torch.tensor([0, 3, 8], dtype=torch.int32).as_subclass(_HostReads)
+        chunk_gated_delta_rule(**x, cu_seqlens=cu_inf, cu_seqlens_cpu=torch.tensor([0, 3, 8], dtype=torch.int32))
+    assert _HostReads.reads == []
+    # without the host copy: one read on the first call with a tensor, none while it is unchanged
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    assert len(_HostReads.reads) == 1
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    assert len(_HostReads.reads) == 1
+
+
+BAD_CU_SECLENS_CPU = [
+    ("not-tensor", [0, 3, 8], TypeError, r"cu_seqlens_cpu must be a torch.Tensor"),
+    ("float", torch.tensor([0.0, 3.0, 8.0]), TypeError, r"cu_seqlens_cpu has dtype torch.float32"),
+    ("shape", torch.tensor([0, 8]), ValueError, r"cu_seqlens_cpu must have cu_seqlens' shape \(3,\), got \(2,\)"),
+    ("2d", torch.tensor([[0, 3, 8]]), ValueError, r"cu_seqlens_cpu must have 1 dimensions"),
+    ("meta", torch.tensor([0, 3, 8], device="meta"), ValueError, r"cu_seqlens_cpu must be on the CPU"),
+    ("start", torch.tensor([1, 3, 8]), ValueError, r"cu_seqlens_cpu\[0\] must be 0"),
+    ("unsorted", torch.tensor([0, 5, 3]), ValueError, r"cu_seqlens_cpu must be non-decreasing; cu_seqlens_cpu\[1\]=5"),
+    ("overflow", torch.tensor([0, 3, 9]), ValueError, r"cu_seqlens_cpu\[-1\]=9 exceeds the token count T=8"),
+]
+
+
+@pytest.mark.parametrize("host,exc,msg", [c[1:] for c in BAD_CU_SECLENS_CPU], ids=[c[0] for c in BAD_CU_SECLENS_CPU])
+def test_bad_cu_seqlens_cpu_raises(host, exc, msg):
+    x = _good(T=8)
+    with pytest.raises(exc, match=msg):
+        chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32), cu_seqlens_cpu=host)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu is given without cu_seqlens"):
+        chunk_gated_delta_rule(**x, cu_seqlens_cpu=torch.tensor([0, 8]))
+
+
+def test_cu_seqlens_cpu_gives_the_same_result():
+    x = _good(T=8)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    o, ht = chunk_gated_delta_rule(**x, cu_seqlens=cu, output_final_state=True)
+    o2, ht2 = chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone().long(), output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)

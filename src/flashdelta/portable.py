@@ -30,6 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .numerics import GATE_FLOOR
+
 __all__ = [
     "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
     "chunked_fwd", "chunked_bwd", "l2norm_fwd", "l2norm_bwd", "chunk_layout",
@@ -268,7 +270,8 @@ def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
 # ------------------------------------------------------------------------------------------------ stages
 
 def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):
-    """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1).
+    """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1). Gates below
+    `numerics.GATE_FLOOR` (-inf included) count as GATE_FLOOR (docs/numerics.md).
 
     Returns ``g_cumsum [1,T,HV]`` (float32; float64 when compute_dtype is float64; 0 on padding) and
     ``A [1,T,HV,BT]`` (row i of each chunk's ``(I + strictly_lower(diag(b) K K^T))^{-1}`` at token
@@ -281,7 +284,8 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, op
     HV = g.shape[-1]
     lay = chunk_layout(cu_seqlens, T, chunk_size, k.device)
     hmap = _head_map(H, HV, k.device)
-    gc = _gather(g, lay, gd).cumsum(-1)                       # padded rows are 0 -> repeat the last value
+    gc = _gather(g, lay, gd)                                  # padded rows are 0 -> repeat the last value
+    gc = torch.where(gc < GATE_FLOOR, GATE_FLOOR, gc).cumsum(-1)  # -inf and huge negative gates: the floor
     g_cumsum = _scatter(gc, lay, gd)
     kc = rnd(_gather(k, lay, cd))                             # [NT, H, BT, K]
     bc = _gather(beta, lay, cd)                               # [NT, HV, BT]

@@ -1,5 +1,7 @@
 """End to end on CPU: the public API (portable backend) against the token-by-token float64 recurrence,
 forward and every gradient; torch.compile(fullgraph=True); gradcheck; edge cases of the contract."""
+import math
+
 import pytest
 import torch
 from _helpers import Case, assert_close, make_inputs
@@ -124,3 +126,69 @@ def test_only_final_state_used_in_loss():
     ht.sum().backward()
     assert x["q"].grad is not None and torch.all(x["q"].grad == 0)  # q only reaches o
     assert x["k"].grad.abs().sum() > 0
+
+
+# Gates below numerics.GATE_FLOOR (-inf: a full state reset, or a huge finite one) at these tokens of head 0, the
+# other gates in [-0.22, -0.02] (a huge gate in the fp32 cumsum would absorb them); the input is two sequences of
+# 130 and 70 tokens (chunks [0, 64), [64, 128), [128, 130), then the second sequence).
+GATE_RESETS = {
+    "first": [0], "mid-chunk": [30], "chunk-end": [63], "whole-chunk": list(range(64, 128)),
+    "second-seq-first": [130], "several": [0, 30, 63, 100, 129, 131, 199],
+}
+GATE_VALUES = {"-inf": -math.inf, "-1e30": -1e30, "-1e4": -1e4}
+
+
+def _reset_inputs(where, value, dtype, *, varlen=True):
+    case = Case("reset", (130, 70) if varlen else (130, 130), H=1, HV=2, K=16, V=16, varlen=varlen)
+    x = make_inputs(case, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    g = -0.02 - 0.2 * torch.rand(x["g"].shape, generator=gen, dtype=torch.float64)  # every token decays
+    g[..., [t for t in GATE_RESETS[where] if t < g.shape[1]], 0] = value
+    x["g"] = g.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return x
+
+
+def _with_grads(x):
+    return {n: (t.detach().clone().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+            for n, t in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("value", list(GATE_VALUES))
+@pytest.mark.parametrize("where", list(GATE_RESETS))
+def test_gate_floor_matches_recurrence(where, value, dtype):
+    """-inf and very large negative gates reset the state: o, the final state and every gradient are finite and
+    match the float64 recurrence (whose autograd is finite there: d exp(g) / dg = 0)."""
+    x = _with_grads(_reset_inputs(where, GATE_VALUES[value], dtype))
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
+    do, dht = _loss_weights(o_ref, ht_ref)
+    do = do.to(o.dtype).double()
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    tol = {torch.float64: 1e-10, torch.float32: FP32_TOL, torch.bfloat16: 4e-3}[dtype]
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert_close("o", o, o_ref, tol=tol)
+    assert_close("ht", ht, ht_ref, tol=1e-6 if dtype == torch.float64 else FP32_TOL)
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        grad, ref = x[name].grad, x64[name].grad
+        assert torch.isfinite(grad).all() and torch.isfinite(ref).all(), name
+        tname = {"initial_state": "dh0"}.get(name, "d" + name)
+        gtol = 1e-2 if x[name].dtype == torch.bfloat16 else (FP32_TOL if x[name].dtype == torch.float32 else 1e-10)
+        assert_close(tname, grad, ref.to(x[name].dtype), tol=gtol)
+
+
+def test_gate_floor_dense_and_nan_gates_stay_nan():
+    """Dense input (two rows of 130 tokens, the tokens of "several" below 130 reset in each): the floor acts per
+    batch row. A NaN gate is not a floor case: it stays NaN."""
+    x = _reset_inputs("several", -math.inf, torch.float32, varlen=False)
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    x64 = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
+    assert_close("o", o, o_ref, tol=FP32_TOL)
+    assert_close("ht", ht, ht_ref, tol=FP32_TOL)
+    x["g"][0, 5, 1] = math.nan
+    o, _ = chunk_gated_delta_rule(**x)
+    assert torch.isnan(o[0, 5:64, 1]).all() and torch.isfinite(o[1]).all()

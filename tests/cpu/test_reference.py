@@ -4,16 +4,20 @@
   (q, k, v, g, beta, initial_state) against torch.autograd of the recurrence, l2norm on and off;
 - each stage's float64 twin against an independent definition (A by explicit inverse, h by prefix runs of
   the recurrence, prepare_bwd by a reverse cumsum, group_sum by a loop);
+- gates below the floor (-inf, -1e30, -1e4) keep the chunked reference within ~1e-10 of the recurrence;
 - portable fp32 from bf16-valued inputs is within a few 1e-6 of float64; portable with bf16 GEMM operands
   lands in the bf16 regime (errors between ~5e-4 and 1e-2).
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from _helpers import Case, assert_close, make_inputs
 from flashdelta import portable
+from flashdelta.numerics import GATE_FLOOR
 from flashdelta.reference import chunked as ref
 from flashdelta.reference import recurrent_gated_delta_rule
 
@@ -330,3 +334,27 @@ def test_l2norm_twins():
     yc, _ = portable.l2norm_fwd_compute(x.bfloat16())
     assert yc.dtype == torch.float32
     assert assert_close("qk_l2norm", yb, y) < 4e-3
+
+
+# ----------------------------------------------------------------------------------------- gate floor
+
+@pytest.mark.parametrize("value", [-math.inf, -1e30, -1e4], ids=["-inf", "-1e30", "-1e4"])
+@pytest.mark.parametrize("where", [[0], [30], [63], list(range(64, 128)), [0, 30, 63, 100, 129, 131, 199]],
+                         ids=["first", "mid-chunk", "chunk-end", "whole-chunk", "several"])
+def test_chunked_float64_gate_floor_matches_recurrence(where, value):
+    """Gates below numerics.GATE_FLOOR count as the floor (exp(-100) = 3.7e-44): the float64 chunked reference
+    stays within TIGHT of the recurrence, whose state is reset exactly (forward and every gradient)."""
+    inp = _inputs64(Case("reset", (130, 70), H=1, HV=2, K=16, V=16, pad=3))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        inp["g"].copy_(-0.02 - 0.2 * torch.rand(inp["g"].shape, generator=gen, dtype=F64))  # every token decays
+        inp["g"][0, where, 0] = value
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        inp[n].requires_grad_(True)
+    truth, do, dht = _truth(inp, l2=False)
+    got = _chunked(ref, inp, do, dht, l2=False)
+    for name, want in truth.items():
+        assert torch.isfinite(want).all(), name
+        assert_close(name, got[name], want, tol=TIGHT)
+    gcs, _ = ref.prepare_fwd(_flat(inp["k"]), _flat(inp["g"]), _flat(inp["beta"]), inp["cu_seqlens"])
+    assert gcs[0, where[0], 0] <= GATE_FLOOR and torch.isfinite(gcs).all()

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 COLUMNS = (
     "suite", "case", "model", "h", "hv", "k", "v", "seqlens", "n_seqs", "tokens", "split_seed",
-    "provider", "status", "ms", "p20", "p80", "reps", "cp", "tflops", "tbps", "floor_ms", "floor_frac",
+    "provider", "status", "ms", "p20", "p80", "reps", "cp", "peak_mb", "tflops", "tbps", "floor_ms", "floor_frac",
     "timing", "gate_err", "gate_detail", "gate_seqlens", "full_err", "full_ref", "seed", "note",
 )
 # speedup targets drawn on the chart (the project's goals; docs/performance.md)

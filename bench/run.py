@@ -220,7 +220,7 @@ def fake_rows(cases: list, args) -> list:
         for p in args.provider_names:
             ms = rf.floor_ms * FAKE_FACTORS.get(p, 3.0) * rng.uniform(0.8, 1.25)
             rows.append(dict(base_row(case, args), provider=p, status="ok", ms=ms, p20=ms * 0.98, p80=ms * 1.03,
-                             reps=50, cp=1, tflops=rf.tflops(ms), tbps=rf.tbps(ms), floor_ms=rf.floor_ms,
+                             reps=50, cp=1, peak_mb=rng.uniform(100, 900), tflops=rf.tflops(ms), tbps=rf.tbps(ms), floor_ms=rf.floor_ms,
                              floor_frac=rf.floor_frac(ms), timing="fake", gate_err=rng.uniform(1e-3, 5e-3),
                              gate_detail="fake", gate_seqlens=shapes.format_seqlens(case.gate_seqlens()),
                              full_err=rng.uniform(1e-3, 5e-3), full_ref="fake", note="fake"))
@@ -269,6 +269,27 @@ def make_step(prov, inp, suite: str, stream):
     def step():
         return backward_fn(prov, inp, prov.forward(inp))
     return step
+
+
+def peak_mb(prov, inp, grads: bool, stream) -> float:
+    """MiB allocated at the peak of one eager forward (+ backward with `grads`) above what was allocated before it:
+    saved activations, workspaces and outputs (gradients included)."""
+    import torch
+    from providers import backward_fn
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.cuda.stream(stream):
+        if grads:
+            res = backward_fn(prov, inp, prov.forward(inp))
+        else:
+            with torch.no_grad():
+                res = prov.forward(inp)
+    stream.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return peak / 2 ** 20
 
 
 def run_case(case, provs: dict, args, stream, flush) -> list:
@@ -342,7 +363,13 @@ def run_case(case, provs: dict, args, stream, flush) -> list:
     del full
     to_time = [p for p in passed if "status" not in rows[p]]
 
-    # 3. capture and time
+    # 3. peak memory of one eager step above what the inputs hold, then capture and time
+    for p in to_time:
+        try:
+            rows[p]["peak_mb"] = peak_mb(provs[p], inp, grads, stream)
+        except Exception as exc:  # noqa: BLE001
+            _check_cuda()
+            rows[p]["note"] += f"peak memory: {_err(exc)}; "
     runners = {}
     for p in to_time:
         try:

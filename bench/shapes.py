@@ -3,7 +3,7 @@
 A `Case` is one (suite, heads, sequence mix). Sequence mixes are varlen with B = 1 and `cu_seqlens`.
 
 - ``fwd``: 8 head configs x 12 sequence mixes = 96 cases.
-- ``bwd`` and ``fwdbwd``: 4 head configs x {8k, 32k} tokens x {1, 2, 4, 8} sequences = 32 cases each.
+- ``bwd`` and ``fwdbwd``: 6 head configs x {8k, 32k} tokens x {1, 2, 4, 8} sequences = 48 cases each.
   Multi-sequence splits are random but fixed: seeded by (tokens, count), the seed is kept in the case and
   written to every CSV row, so a split can be regenerated with `random_split`.
 
@@ -35,7 +35,8 @@ FWD_SEQLENS = (
     (8192,) * 4, (4096,) * 8, (2048,) * 4, (1024,) * 8,
 )
 
-BWD_HEADS = ((16, 32, "35B/9B/4B TP1"), (8, 16, "TP2"), (4, 8, "TP4"), (2, 4, "TP8"))
+BWD_HEADS = ((16, 32, "35B/9B/4B TP1"), (8, 16, "TP2"), (4, 8, "TP4"), (2, 4, "TP8"), (16, 64, "80B TP1"),
+             (16, 16, "GVA 1"))
 BWD_TOKENS = (8192, 32768)
 BWD_NSEQS = (1, 2, 4, 8)
 MIN_SPLIT_LEN = 64      # no random piece shorter than one chunk

@@ -26,8 +26,8 @@ import timing  # noqa: E402
 
 def test_grid_sizes_and_names():
     assert len(shapes.cases("fwd")) == 8 * 12
-    assert len(shapes.cases("bwd")) == 4 * 2 * 4
-    assert len(shapes.cases("fwdbwd")) == 32
+    assert len(shapes.cases("bwd")) == 6 * 2 * 4
+    assert len(shapes.cases("fwdbwd")) == 48
     names = [c.name for s in shapes.SUITES for c in shapes.cases(s)]
     assert len(names) == len(set(names))
     for c in shapes.cases("bwd") + shapes.cases("fwd"):

@@ -1,8 +1,11 @@
+import fnmatch
 import os
 import sys
 
 import pytest
 import torch
+
+from flashdelta import toolkit
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/_helpers.py
 
@@ -14,15 +17,31 @@ def _has_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+# The CPU tier's kernel compiles: every test in these files, and any test marked `compile`. Without the CUDA
+# toolkit they are skipped with one line saying what is missing and how to get it.
+COMPILE_FILES = "test_compile_*.py"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compile: compiles Hopper kernels (needs the CUDA toolkit's nvcc, no GPU)")
+
+
+def _compiles(item) -> bool:
+    return fnmatch.fnmatch(item.path.name, COMPILE_FILES) or item.get_closest_marker("compile") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_dir = os.path.join(os.path.dirname(__file__), "gpu")
     skip = pytest.mark.skip(reason="needs an NVIDIA Hopper (SM90) GPU")
     hopper = _has_hopper()
+    no_toolkit = toolkit.missing()
     for item in items:
         if str(item.fspath).startswith(gpu_dir):
             item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not hopper:
             item.add_marker(skip)
+        elif no_toolkit and _compiles(item):
+            item.add_marker(pytest.mark.skip(reason=no_toolkit))
 
 
 @pytest.fixture(autouse=True)

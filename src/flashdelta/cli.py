@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from . import toolkit
+
 
 def _inputs(seqlens, H, HV, K, V, dtype, device, seed=0):
     from .testing import model_gate  # noqa: PLC0415
@@ -118,7 +120,7 @@ def _heads(text: str) -> tuple:
 
 
 def warmup(args) -> int:
-    from .kernels.warmup import variants, warmup as run  # noqa: PLC0415
+    from .precompile import variants, warmup as run  # noqa: PLC0415
 
     opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
                 beta_dtype=args.beta_dtype, scale=args.scale,
@@ -128,6 +130,10 @@ def warmup(args) -> int:
     except (TypeError, ValueError) as e:
         print(f"flashdelta warmup: {e}", file=sys.stderr)
         return 2
+    missing = toolkit.missing()
+    if missing:
+        print(f"flashdelta warmup: {missing}", file=sys.stderr)
+        return 1
     print(f"flashdelta warmup: compiling {n} SM90 kernel variants into TileLang's cache", file=sys.stderr)
     seconds = run(args.heads, **opts)
     print(f"done in {seconds:.1f} s")

@@ -1,8 +1,16 @@
-"""`flashdelta check` and `flashdelta warmup` argument handling, on the CPU (portable backend)."""
+"""`flashdelta check` and `flashdelta warmup` argument handling, on the CPU (portable backend); the command line
+reads like a finished tool: usage, --version, described options, one-line errors for what the machine lacks."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+import flashdelta
 from flashdelta import cli, dispatch
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 SMALL = ["check", "--device", "cpu", "--seqs", "2", "--tokens", "100", "--heads-qk", "2", "--heads-v", "4",
          "--head-dim", "32"]
@@ -79,10 +87,28 @@ def test_warmup_function_rejects_bad_arguments(kwargs, exc, msg):
 def test_warmup_num_sms_sizes_the_persistent_prepare():
     """The persistent prepare build's grid is the target GPU's SM count (a cache built on a CPU for an H20 or
     H100 PCIe must say so), float64 beta builds the fp32 kernels the forward runs."""
-    from flashdelta.kernels import prepare_pipe
-    from flashdelta.kernels.warmup import variants
+    from flashdelta.precompile import variants
 
     for n in (78, 114, 132):
-        pipe = [a for _, b, a in variants([(16, 16)], num_sms=n) if b is prepare_pipe._build_prepare_fwd_pipe]
+        pipe = [a for label, _, a in variants([(16, 16)], num_sms=n) if "persistent" in label]
         assert len(pipe) == 1 and pipe[0][-1] == n
     assert variants([(2, 8)], beta_dtype=torch.float64) == variants([(2, 8)], beta_dtype=torch.float32)
+
+
+def _without_toolkit() -> dict:
+    """This process's environment with the CUDA toolkit hidden: CUDA_HOME points nowhere, no nvcc on PATH."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.access(os.path.join(d, "nvcc"), os.X_OK)]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_PATH"}
+    env.update(CUDA_HOME="/nonexistent", PATH=os.pathsep.join(path),
+               PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def test_warmup_without_the_toolkit_says_so_in_one_line():
+    pytest.importorskip("tilelang")
+    out = subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", "--heads", "2/8"], capture_output=True,
+                         text=True, env=_without_toolkit())
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(err) == 1, out.stderr
+    assert err[0].startswith("flashdelta warmup: ") and "nvcc" in err[0] and "CUDA_HOME=/nonexistent" in err[0]
+

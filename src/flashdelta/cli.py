@@ -3,16 +3,22 @@
 `flashdelta check`: a realistic forward + backward through the public API on the best backend, compared
 with the float64 reference; exits non-zero on a mismatch.
 `flashdelta warmup --heads H/HV ...`: compile the SM90 kernels a model needs into TileLang's cache.
+
+Errors a user can fix (a bad option, no GPU for ``--device cuda``, no CUDA toolkit for ``warmup``) print one line
+on stderr and exit non-zero: 2 for bad options, 1 for what the machine lacks or a mismatch.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 import time
 
 import torch
 
-from . import toolkit
+from . import __version__, toolkit
 
 
 def _inputs(seqlens, H, HV, K, V, dtype, device, seed=0):
@@ -40,19 +46,56 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _device(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"--device takes cpu or cuda[:i], got {text!r}") from None
+
+
+def _device_missing(device: torch.device):
+    """None when `device` can hold tensors; else one line saying what is missing."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
+                   else "torch sees no GPU (driver missing or CUDA_VISIBLE_DEVICES empty)")
+            return f"no CUDA device: {why}; run with --device cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"no CUDA device: {device} does not exist (this machine has {count}); run with --device cuda:0"
+    try:
+        torch.zeros(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        return f"no {device.type.upper()} device: {str(e).strip().splitlines()[0]}"
+    return None
+
+
 def check(args) -> int:
     from . import chunk_gated_delta_rule, dispatch  # noqa: PLC0415
     from .numerics import TOLS, rel_l2  # noqa: PLC0415
     from .portable import l2norm_bwd  # noqa: PLC0415
     from .reference.chunked import chunked_bwd, chunked_fwd, l2norm_fwd  # noqa: PLC0415
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.heads_v % args.heads_qk:
+        print(f"flashdelta check: --heads-v {args.heads_v} must be a multiple of --heads-qk {args.heads_qk}",
+              file=sys.stderr)
+        return 2
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    missing = _device_missing(device)
+    if missing:
+        print(f"flashdelta check: {missing}", file=sys.stderr)
+        return 1
     H, HV, K, V = args.heads_qk, args.heads_v, args.head_dim, args.head_dim
     seqlens = [args.tokens] * args.seqs
     inputs, cu, do, dht = _inputs(seqlens, H, HV, K, V, torch.bfloat16, device)
     if args.l2norm:  # unnormalised q, k: the kernels' normalisation has something to do
         inputs["q"], inputs["k"] = inputs["q"] * 3, inputs["k"] * 0.5
     fwd_b, bwd_b = dispatch.resolve(device, K, V, torch.bfloat16, need_bwd=True)
+    if "sm90" in (fwd_b, bwd_b) and toolkit.missing():  # the kernels compile on first use
+        print(f"flashdelta check: {toolkit.missing()}", file=sys.stderr)
+        return 1
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
 
     times = {}
@@ -119,14 +162,60 @@ def _heads(text: str) -> tuple:
     return H, HV
 
 
-def warmup(args) -> int:
-    from .precompile import variants, warmup as run  # noqa: PLC0415
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
 
+
+def _cache_dir():
+    """TileLang's persistent kernel cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache); None when it is off
+    (TILELANG_DISABLE_CACHE)."""
+    import tilelang  # noqa: PLC0415
+
+    enabled = getattr(tilelang.env, "is_cache_enabled", lambda: True)()
+    return str(tilelang.env.TILELANG_CACHE_DIR) if enabled else None
+
+
+def _cache_entries(root: str) -> set:
+    """Every directory under `root` but TileLang's staging ones (names starting with '.'): a build that compiles
+    adds its entry, one that loads from the cache adds none."""
+    out = set()
+    for path, dirs, _ in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out.add(os.path.relpath(path, root))
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_tilelang():
+    """TileLang's logger at WARNING while the CLI prints its own progress (it logs every compile at INFO)."""
+    logger = logging.getLogger("tilelang")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def warmup(args) -> int:
+    try:
+        from .precompile import variants  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        if e.name != "tilelang":
+            raise
+        print("flashdelta warmup: TileLang is not installed; pip install 'flashdelta[hopper]'", file=sys.stderr)
+        return 1
     opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
                 beta_dtype=args.beta_dtype, scale=args.scale,
                 state_v_first=(args.state_v_first,), num_sms=args.num_sms)
     try:
-        n = len(variants(args.heads, **opts))
+        todo = variants(args.heads, **opts)
     except (TypeError, ValueError) as e:
         print(f"flashdelta warmup: {e}", file=sys.stderr)
         return 2
@@ -134,38 +223,71 @@ def warmup(args) -> int:
     if missing:
         print(f"flashdelta warmup: {missing}", file=sys.stderr)
         return 1
-    print(f"flashdelta warmup: compiling {n} SM90 kernel variants into TileLang's cache", file=sys.stderr)
-    seconds = run(args.heads, **opts)
-    print(f"done in {seconds:.1f} s")
+    cache = _cache_dir()
+    where = f"TileLang cache {cache}" if cache else "TileLang's cache is off (TILELANG_DISABLE_CACHE): nothing is kept"
+    print(f"flashdelta warmup: {len(todo)} SM90 kernel builds, {where}", file=sys.stderr)
+    start, compiled = time.perf_counter(), 0
+    with _quiet_tilelang():
+        for i, (label, builder, build_args) in enumerate(todo, 1):
+            before, t0 = _cache_entries(cache) if cache else set(), time.perf_counter()
+            builder(*build_args)
+            new = not cache or bool(_cache_entries(cache) - before)
+            compiled += new
+            print(f"[{i}/{len(todo)}] {label}: {'compiled' if new else 'cached'} ({time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+    print(f"done in {time.perf_counter() - start:.1f} s: {compiled} compiled, {len(todo) - compiled} already cached")
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flashdelta")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("check", help="forward+backward through the public API vs the float64 reference")
-    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
-    p.add_argument("--seqs", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--heads-qk", type=int, default=4)
-    p.add_argument("--heads-v", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashdelta",
+        description="Gated DeltaNet chunked prefill: fused Hopper (SM90) kernels and a portable PyTorch path.",
+        epilog="Run 'flashdelta COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"flashdelta {__version__}")
+    sub = parser.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
+    p = sub.add_parser("check",
+                       help="forward + backward through the public API vs the float64 reference",
+                       description="Run a realistic forward and backward (bf16, model-like gates, varlen with an "
+                                   "initial state) through the public API on the best backend for the device, and "
+                                   "compare o, the final state and every gradient with the float64 reference. "
+                                   "Exits 1 on a mismatch.")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu or cuda[:i] (default: cuda if a GPU is visible, else cpu)")
+    p.add_argument("--seqs", type=_positive, default=2, help="number of sequences (N), packed varlen (default: %(default)s)")
+    p.add_argument("--tokens", type=_positive, default=4096, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--heads-qk", type=_positive, default=4, help="q/k heads H (default: %(default)s)")
+    p.add_argument("--heads-v", type=_positive, default=8, help="value heads HV, a multiple of H (default: %(default)s)")
+    p.add_argument("--head-dim", type=_positive, default=128, help="head dim K = V (default: %(default)s)")
     p.add_argument("--l2norm", action="store_true",
                    help="use_qk_l2norm_in_kernel=True (q, k given unnormalised), as Hugging Face models call it")
     p.set_defaults(func=check)
-    w = sub.add_parser("warmup", help="compile the SM90 kernels a model needs into TileLang's persistent cache")
-    w.add_argument("--heads", type=_heads, action="append", required=True,
+    w = sub.add_parser("warmup",
+                       help="compile the SM90 kernels a model needs into TileLang's persistent cache",
+                       description="Compile every SM90 kernel the forward of the given layer shapes launches into "
+                                   "TileLang's persistent cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache). "
+                                   "Needs the CUDA toolkit's nvcc, no GPU; builds already in the cache load in "
+                                   "well under a second.")
+    w.add_argument("--heads", type=_heads, action="append", required=True, metavar="H/HV",
                    help="H/HV of one layer shape, e.g. 16/64; repeat for several")
-    w.add_argument("--head-dim", type=int, default=128, help="K (and V unless --head-dim-v)")
-    w.add_argument("--head-dim-v", type=int, default=None)
-    w.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="q/k/v dtype: bf16 or fp16")
-    w.add_argument("--beta-dtype", type=_dtype, default=torch.float32)
-    w.add_argument("--scale", type=float, default=None, help="output scale (default K ** -0.5)")
-    w.add_argument("--state-v-first", action="store_true")
+    w.add_argument("--head-dim", type=int, default=128, help="K, and V unless --head-dim-v (default: %(default)s)")
+    w.add_argument("--head-dim-v", type=int, default=None, help="V when it differs from K")
+    w.add_argument("--dtype", type=_dtype, default="bf16", metavar="{bf16,fp16}", help="q/k/v dtype: bf16 or fp16 (default: bf16)")
+    w.add_argument("--beta-dtype", type=_dtype, default="fp32", metavar="{bf16,fp16,fp32}", help="beta dtype: bf16, fp16 or fp32 (default: fp32)")
+    w.add_argument("--scale", type=float, default=None, help="output scale (default: K ** -0.5)")
+    w.add_argument("--state-v-first", action="store_true", help="states laid out [N, HV, V, K] (state_v_first=True)")
     w.add_argument("--num-sms", type=int, default=None,
                    help="SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200)")
     w.set_defaults(func=warmup)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        return 2
     return args.func(args)
 
 

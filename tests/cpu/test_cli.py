@@ -1,5 +1,6 @@
 """`flashdelta check` and `flashdelta warmup` argument handling, on the CPU (portable backend); the command line
 reads like a finished tool: usage, --version, described options, one-line errors for what the machine lacks."""
+import logging
 import os
 import subprocess
 import sys
@@ -95,6 +96,54 @@ def test_warmup_num_sms_sizes_the_persistent_prepare():
     assert variants([(2, 8)], beta_dtype=torch.float64) == variants([(2, 8)], beta_dtype=torch.float32)
 
 
+def test_bare_command_prints_the_usage_and_the_commands(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: flashdelta") and "arguments are required" not in err
+    for command in ("check", "warmup"):
+        assert f"    {command} " in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"flashdelta {flashdelta.__version__}"
+
+
+@pytest.mark.parametrize("command", ["check", "warmup"])
+def test_every_option_is_described(command, capsys):
+    sub = next(a for a in cli._parser()._actions if a.dest == "cmd").choices[command]
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert options and all(a.help for a in options), [a.dest for a in options if not a.help]
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    for a in options:
+        assert a.option_strings[0] in out
+
+
+def test_check_cuda_without_a_gpu_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["check", "--device", "cuda"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashdelta check: no CUDA device: "), err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--device", "tpu9"], "--device takes cpu or cuda"),
+    (["--tokens", "0"], "positive integer"),
+])
+def test_check_rejects_bad_options(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_check_heads_must_be_a_multiple(capsys):
+    assert cli.main(["check", "--heads-qk", "3", "--heads-v", "4"]) == 2
+    assert "--heads-v 4 must be a multiple of --heads-qk 3" in capsys.readouterr().err
+
+
 def _without_toolkit() -> dict:
     """This process's environment with the CUDA toolkit hidden: CUDA_HOME points nowhere, no nvcc on PATH."""
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.access(os.path.join(d, "nvcc"), os.X_OK)]
@@ -112,3 +161,45 @@ def test_warmup_without_the_toolkit_says_so_in_one_line():
     assert out.returncode == 1 and len(err) == 1, out.stderr
     assert err[0].startswith("flashdelta warmup: ") and "nvcc" in err[0] and "CUDA_HOME=/nonexistent" in err[0]
 
+
+def test_warmup_says_per_build_whether_it_compiled(monkeypatch, tmp_path, capsys):
+    """One line per build, "compiled" when it added an entry to TileLang's cache, "cached" when it did not; TileLang's
+    INFO log lines (one per compile) stay out of the progress."""
+    pytest.importorskip("tilelang")
+    from flashdelta import precompile, toolkit
+
+    log = logging.getLogger("tilelang.jit.kernel")
+
+    def compiles(name):
+        log.info("TileLang begins to compile kernel %s", name)
+        (tmp_path / "cache" / name).mkdir(parents=True)
+
+    todo = [("first K=128", compiles, ("a",)), ("second K=128", lambda: None, ()), ("third", compiles, ("b",))]
+    monkeypatch.setattr(precompile, "variants", lambda heads, **kw: todo)
+    monkeypatch.setattr(toolkit, "missing", lambda: None)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["warmup", "--heads", "2/8"]) == 0
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert lines[0] == f"flashdelta warmup: 3 SM90 kernel builds, TileLang cache {tmp_path / 'cache'}"
+    assert [line.split(" (")[0] for line in lines[1:]] == [
+        "[1/3] first K=128: compiled", "[2/3] second K=128: cached", "[3/3] third: compiled"]
+    assert "TileLang begins" not in out + err and "compiling" not in err
+    assert out.strip().endswith("2 compiled, 1 already cached")
+    assert logging.getLogger("tilelang").level == logging.INFO  # restored
+
+
+@pytest.mark.compile
+def test_warmup_real_build_prints_no_tilelang_log(monkeypatch, capsys):
+    """The first build of `flashdelta warmup --heads 2/8` (the q/k l2norm) compiled for real into the test run's
+    TileLang cache, twice: the second time it is cached; no TileLang log line either time."""
+    pytest.importorskip("tilelang")
+    from flashdelta import precompile
+
+    variants = precompile.variants
+    monkeypatch.setattr(precompile, "variants", lambda heads, **kw: variants(heads, **kw)[:1])
+    for status in (("compiled", "cached"), ("cached",)):
+        assert cli.main(["warmup", "--heads", "2/8"]) == 0
+        out, err = capsys.readouterr()
+        assert "[TileLang:" not in out + err, out + err
+        assert err.splitlines()[1].split(": ")[-1].split(" (")[0] in status, err

@@ -1,5 +1,6 @@
 """The test suite on a new user's machine: without the CUDA toolkit the compile tier skips with one line saying what
-is missing. Also `flashdelta.toolkit`, which finds nvcc the way TileLang does."""
+is missing, and a test run's kernels go to a TileLang cache inside the run, never to the user's ~/.tilelang.
+Also `flashdelta.toolkit`, which finds nvcc the way TileLang does."""
 import os
 import subprocess
 import sys
@@ -93,3 +94,23 @@ def test_compile_tier_skips_without_the_toolkit():
     assert "skipped" in summary and "passed" not in summary and "failed" not in summary, summary
     assert "CUDA_HOME=/nonexistent has no bin/nvcc" in out.stdout
 
+
+@pytest.mark.compile
+def test_test_runs_keep_kernels_out_of_home(tmp_path):
+    """A run that compiles a kernel (and one of bench/) with HOME an empty directory and no TILELANG_CACHE_DIR: the
+    kernel lands in the run's pytest cache directory, HOME's .tilelang stays empty."""
+    pytest.importorskip("tilelang")
+    home, cache = tmp_path / "home", tmp_path / "pytest-cache"
+    home.mkdir()
+    env = _env(HOME=str(home), TILELANG_CACHE_DIR=None)
+    out = _pytest("tests/cpu/test_cli.py::test_warmup_real_build_prints_no_tilelang_log", "-q",
+                  "-o", f"cache_dir={cache}", env=env)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    kernels = [f for _, _, files in os.walk(cache / "d" / "tilelang") for f in files]
+    assert kernels, "nothing compiled into the run's cache"
+    home_files = [os.path.join(d, f) for d, _, files in os.walk(home / ".tilelang") for f in files]
+    assert home_files == []
+    bench_cache = tmp_path / "bench-cache"
+    out = _pytest("bench", "-q", "--co", "-o", f"cache_dir={bench_cache}", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (bench_cache / "d" / "tilelang").is_dir()  # the repository's conftest.py covers bench/ too

@@ -6,7 +6,7 @@ import torch
 
 def model_gate(T: int, HV: int, *, generator: torch.Generator) -> torch.Tensor:
     """`g = -exp(A_log) * softplus(a + dt_bias)` with exp(A_log) spread over [0, 16]: head 0 never decays,
-    the last head decays very hard (DESIGN.md §5). Shape [T, HV], float64."""
+    the last head decays very hard (docs/numerics.md, "Test gates like the models'"). Shape [T, HV], float64."""
     a_exp = torch.linspace(0.0, 16.0, HV, dtype=torch.float64)
     a = torch.randn(T, HV, generator=generator, dtype=torch.float64) * 0.5
     dt_bias = torch.randn(HV, generator=generator, dtype=torch.float64) * 0.5 - 1.0

@@ -303,7 +303,7 @@ def test_portable_bf16_operands_in_bf16_regime(case):
     want = _chunked(ref, inp, do, dht, l2=False)
     got = _chunked(portable, inp, do, dht, l2=False, operand_dtype=torch.bfloat16)
     for name in ("o", "ht") + GRADS:
-        err = assert_close(name, got[name], want[name])          # DESIGN §5 bounds (1e-2 / 2e-2)
+        err = assert_close(name, got[name], want[name])          # docs/numerics.md bounds (1e-2 / 2e-2)
         assert err > 5e-4, f"{name}: error {err:.2e} too small for bf16 operands: is the rounding applied?"
 
 

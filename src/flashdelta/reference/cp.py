@@ -1,4 +1,4 @@
-"""Context parallelism (CP) in float64: partitions, exact (E, M) scan, gate-driven warm-up (DESIGN.md §3).
+"""Context parallelism (CP) in float64: partitions, exact (E, M) scan, gate-driven warm-up (docs/algorithm.md §4).
 
 The math and the error bounds are in docs/algorithm.md §4. Everything here is float64 and torch-only; the
 per-partition work is done by the float64 stage twins (`reference.chunked`), so a CP result differs from

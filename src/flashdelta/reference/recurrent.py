@@ -1,4 +1,4 @@
-"""Token-by-token float64 Gated DeltaNet recurrence: the ground truth (DESIGN.md §1, docs/algorithm.md §1).
+"""Token-by-token float64 Gated DeltaNet recurrence: the ground truth (docs/algorithm.md §1).
 
 Written with out-of-place differentiable torch ops only, so ``torch.autograd`` through it gives the
 ground-truth gradients for q, k, v, g, beta and initial_state. Meant for small shapes.

@@ -254,10 +254,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "Exits 1 on a mismatch.")
     p.add_argument("--device", type=_device, default=None,
                    help="cpu or cuda[:i] (default: cuda if a GPU is visible, else cpu)")
-    p.add_argument("--seqs", type=_positive, default=2, help="number of sequences (N), packed varlen (default: %(default)s)")
+    p.add_argument("--seqs", type=_positive, default=2,
+                   help="number of sequences (N), packed varlen (default: %(default)s)")
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--heads-qk", type=_positive, default=4, help="q/k heads H (default: %(default)s)")
-    p.add_argument("--heads-v", type=_positive, default=8, help="value heads HV, a multiple of H (default: %(default)s)")
+    p.add_argument("--heads-v", type=_positive, default=8,
+                   help="value heads HV, a multiple of H (default: %(default)s)")
     p.add_argument("--head-dim", type=_positive, default=128, help="head dim K = V (default: %(default)s)")
     p.add_argument("--l2norm", action="store_true",
                    help="use_qk_l2norm_in_kernel=True (q, k given unnormalised), as Hugging Face models call it")
@@ -272,8 +274,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="H/HV of one layer shape, e.g. 16/64; repeat for several")
     w.add_argument("--head-dim", type=int, default=128, help="K, and V unless --head-dim-v (default: %(default)s)")
     w.add_argument("--head-dim-v", type=int, default=None, help="V when it differs from K")
-    w.add_argument("--dtype", type=_dtype, default="bf16", metavar="{bf16,fp16}", help="q/k/v dtype: bf16 or fp16 (default: bf16)")
-    w.add_argument("--beta-dtype", type=_dtype, default="fp32", metavar="{bf16,fp16,fp32}", help="beta dtype: bf16, fp16 or fp32 (default: fp32)")
+    w.add_argument("--dtype", type=_dtype, default="bf16", metavar="{bf16,fp16}",
+                   help="q/k/v dtype (default: bf16)")
+    w.add_argument("--beta-dtype", type=_dtype, default="fp32", metavar="{bf16,fp16,fp32}",
+                   help="beta dtype (default: fp32)")
     w.add_argument("--scale", type=float, default=None, help="output scale (default: K ** -0.5)")
     w.add_argument("--state-v-first", action="store_true", help="states laid out [N, HV, V, K] (state_v_first=True)")
     w.add_argument("--num-sms", type=int, default=None,

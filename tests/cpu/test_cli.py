@@ -146,7 +146,8 @@ def test_check_heads_must_be_a_multiple(capsys):
 
 def _without_toolkit() -> dict:
     """This process's environment with the CUDA toolkit hidden: CUDA_HOME points nowhere, no nvcc on PATH."""
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.access(os.path.join(d, "nvcc"), os.X_OK)]
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d and not os.access(os.path.join(d, "nvcc"), os.X_OK)]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_PATH"}
     env.update(CUDA_HOME="/nonexistent", PATH=os.pathsep.join(path),
                PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -163,9 +163,9 @@ def test_sm90_kernel_set_declares_its_limits():
 
 def test_sm90_params_go_in_as_the_launchers_take_them():
     """beta / initial_state dtypes the SM90 launchers lack (float64) go in as fp32; the ones they have are passed
-    through untouched, and each of those has a compile key in both builders (no KeyError at launch)."""
+    through untouched, and each of those has a compile key in every forward build (no KeyError at launch)."""
     from flashdelta import autograd
-    from flashdelta.kernels import fused_fwd, prepare
+    from flashdelta.precompile import variants
 
     sm90, portable_set = dispatch.load("sm90"), dispatch.load("torch")
     x = torch.rand(3, dtype=torch.float64)
@@ -173,8 +173,7 @@ def test_sm90_params_go_in_as_the_launchers_take_them():
     for dt in sm90.param_dtypes:
         y = x.to(dt)
         assert autograd._param(y, sm90) is y
-        fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, dt, dt, 0.1, True, False)
-        prepare.builder_args(2, 8, 128, torch.bfloat16, dt)
+        assert variants([(2, 8)], beta_dtype=dt, h0_dtype=dt, scale=0.1)
 
 
 def test_docstring_args_match_signature():

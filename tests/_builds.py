@@ -1,86 +1,134 @@
-"""The kernel builds the GPU tier launches, as (label, build) pairs (`build()` compiles or loads one kernel).
+"""The kernel builds of the GPU tier, from its case tables (tests/cases.py), and the checks every build must pass.
 
-tests/cpu/test_compile_tier.py compiles the launcher's builds of every GPU-tier case on the CPU (sm_90a needs no
-GPU); bench/precompile.py compiles all of them, development variants included, into a cache carried to the GPU
-machine. The case lists stay in the GPU test modules; this module only maps them to builder arguments.
+`shipped()`: every build the launchers pick for the GPU tier's cases (the stage tests' launcher calls and the public
+API's forward and backward): what the CPU tier compiles (tests/cpu/test_compile_tier.py). `gpu_tier()`: those and
+the builds the GPU tests ask for through launcher arguments (prepare's persistent kernel and heads-per-CTA splits on
+every case), which bench/precompile.py --tests compiles into a cache for the GPU machine.
+
+`hang_checks(src, host)`: properties of the generated CUDA whose violation hangs or fails the launch on the GPU.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
+import re
 
 import torch
 
-_GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu")
+import cases
+
+NUM_SMS = 132      # the GPU tier's H200
 
 
-def _gpu_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_tier_{name}", os.path.join(_GPU, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _add(out: dict, label: str, builder, args: tuple) -> None:
+    out.setdefault((builder.__name__, args), (label, builder, args))
 
 
-def fwd_builds(dev: bool = False) -> list:
-    """tests/gpu/test_fwd.py: each case's fused kernel (CASES and the other tests' cases); dev adds the switch
-    variants of VARIANT_CASES."""
-    from flashdelta.kernels import fused_fwd
+def _stage_builds(forced: bool) -> dict:
+    from flashdelta.kernels import fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot, prepare_pipe
 
-    t = _gpu_module("test_fwd")
-    out, seen = [], set()
-    for c in t.CASES + [t.MANY_SEQS, t.DET, t.GRAPH, t.BIG]:
-        args = fused_fwd.builder_args(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h0_dtype, c.K ** -0.5, c.h0,
-                                      c.state_v_first)
-        if args not in seen:
-            seen.add(args)
-            out.append((f"chunk_fwd {c.name}", lambda args=args: fused_fwd.build(args)))
-        if dev and c in t.VARIANT_CASES:
-            out += [(f"chunk_fwd {c.name} {name}", lambda args=args, sw=sw: fused_fwd.build(args, **sw))
-                    for name, sw in t.SWITCH_SETS.items()]
+    out: dict = {}
+    for c in cases.FWD_ALL:
+        h0_dtype = c.h0_dtype if c.h0 else torch.float32      # without h0 the kernel reads the fp32 output
+        for label, b, a in fused_fwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, h0_dtype,
+                                                     c.K ** -0.5, (c.h0,), (c.state_v_first,)):
+            _add(out, f"{c.name}: {label}", b, a)
+    big = cases.FWD_BIG
+    prep = [(c.name, c.H, c.HV, c.K, c.dtype, c.beta_dtype) for c in cases.PREP_CASES + [cases.PREP_BIG]]
+    prep.append((big.name, big.H, big.HV, big.K, big.dtype, big.beta_dtype))
+    for name, H, HV, K, dtype, beta_dtype in prep:
+        for label, b, a in prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms=NUM_SMS):
+            _add(out, f"{name}: {label}", b, a)
+    if forced:
+        for c in cases.PREP_CASES:       # test_prepare_fwd_persistent: the persistent kernel, every split, the one-shot
+            for hpc in prepare.heads_per_cta_options(c.H, c.HV):
+                a = prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc, NUM_SMS)
+                _add(out, f"{c.name}: prepare_fwd persistent heads/item={hpc}", prepare_pipe.build, a)
+            a = prepare_oneshot.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)
+            _add(out, f"{c.name}: prepare_fwd one-shot", prepare_oneshot.build, a)
+        for c in cases.PREP_SPLIT_CASES:
+            for hpc in prepare.heads_per_cta_options(c.H, c.HV):
+                a = prepare_oneshot.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
+                _add(out, f"{c.name}: prepare_fwd heads/CTA={hpc}", prepare_oneshot.build, a)
+    for c in cases.PREP_BWD_CASES:
+        for label, b, a in prepare_bwd.launcher_builds(c.HV):
+            _add(out, f"{c.name}: {label}", b, a)
+    for _, K, dtype, _ in cases.L2NORM_CASES:
+        for label, b, a in l2norm.launcher_builds(K, dtype):
+            _add(out, label, b, a)
     return out
 
 
-def prepare_builds(dev: bool = False) -> list:
-    """tests/gpu/test_prepare.py: what the launcher may build for each case (`prepare.launcher_builds`); dev adds
-    every heads-per-CTA split of both kernels and the register-budget knobs of KNOB_CASES."""
-    from flashdelta.kernels import prepare, prepare_pipe
+def _e2e_builds() -> dict:
+    """What the public API launches for tests/gpu/test_e2e_gpu.py (`flashdelta.precompile.variants`, the list
+    `flashdelta warmup` compiles), per case exactly its layout and initial state."""
+    from flashdelta.precompile import variants
 
-    t = _gpu_module("test_prepare")
-    todo = {}
-    for c in t.CASES:
-        for label, builder, args in prepare.launcher_builds(c.H, c.HV, c.K, c.dtype, c.beta_dtype, num_sms=132):
-            todo.setdefault((id(builder), args), (f"{c.name}: {label}",
-                                                  lambda builder=builder, args=args: builder(*args)))
-        if dev:
-            for hpc in prepare.heads_per_cta_options(c.H, c.HV):
-                a = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
-                todo.setdefault(("one", a), (f"prepare_fwd {a[:3]} heads/CTA {hpc}", lambda a=a: prepare.build_fwd(a)))
-                p = prepare_pipe.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
-                todo.setdefault(("pipe", p), (f"prepare_fwd_pipe {p[:3]} heads/item {hpc}",
-                                              lambda p=p: prepare_pipe._build_prepare_fwd_pipe(*p)))
-    if dev:
-        for c, knobs in t.KNOB_CASES:
-            a = prepare.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype)
-            todo.setdefault(("knobs", a, tuple(knobs.items())),
-                            (f"prepare_fwd {a[:3]} {knobs}", lambda a=a, kn=knobs: prepare.build_fwd(a, **kn)))
-    return list(todo.values())
+    todo = [(c, dt, {}) for c, dt in cases.E2E_PAIRS]
+    todo += [(cases.E2E_L2NORM, torch.bfloat16, dict(qk_l2norm=True)),
+             (cases.E2E_SCALE_FP64, torch.bfloat16, dict(beta_dtype=torch.float64, h0_dtype=torch.float64,
+                                                          scale=cases.E2E_OTHER_SCALE)),
+             (cases.E2E_GRAPH, torch.bfloat16, {}),
+             (cases.E2E_BWD, torch.bfloat16, dict(backward=True)),
+             (cases.E2E_GATE_FLOOR, torch.bfloat16, {})]
+    out: dict = {}
+    for c, dtype, kw in todo:
+        kw = dict(dict(beta_dtype=dtype, qk_l2norm=False), **kw)
+        for label, b, a in variants([(c.H, c.HV)], head_dim=(c.K, c.V), dtype=dtype, initial_state=(c.h0,),
+                                    state_v_first=(c.state_v_first,), num_sms=NUM_SMS, **kw):
+            _add(out, f"e2e {c.name}-{str(dtype)[6:]}: {label}", b, a)
+    return out
 
 
-def e2e_builds() -> list:
-    """tests/gpu/test_e2e_gpu.py through the public API: `flashdelta warmup`'s variants of its head configs (both
-    state layouts, with and without h0, beta in the input dtype), and the non-default scale's build."""
-    from flashdelta.kernels.warmup import variants
+def shipped() -> list:
+    """(label, builder, args) of every build the launchers pick for the GPU tier's cases, each once."""
+    out = _stage_builds(forced=False)
+    for key, value in _e2e_builds().items():
+        out.setdefault(key, value)
+    return list(out.values())
 
-    t = _gpu_module("test_e2e_gpu")
-    todo = []
-    for dtype in dict.fromkeys(d for _, d in t.PAIRS):
-        heads = sorted({(c.H, c.HV) for c, d in t.PAIRS if d == dtype})
-        todo += [(f"e2e {str(dtype)[6:]}: {label}", b, a) for label, b, a in variants(
-            heads, dtype=dtype, beta_dtype=dtype, initial_state=(False, True), state_v_first=(False, True), num_sms=132)]
-    todo += [(f"e2e scale {t.OTHER_SCALE}: {label}", b, a) for label, b, a in variants(
-        [(2, 8)], dtype=torch.bfloat16, beta_dtype=torch.float32, scale=t.OTHER_SCALE, initial_state=(True,),
-        num_sms=132)]
-    seen = {}
-    for label, builder, args in todo:
-        seen.setdefault((id(builder), args), (label, lambda builder=builder, args=args: builder(*args)))
-    return list(seen.values())
+
+def gpu_tier() -> list:
+    """`shipped()` and the builds the GPU tests ask for through launcher arguments."""
+    out = _stage_builds(forced=True)
+    for key, value in _e2e_builds().items():
+        out.setdefault(key, value)
+    return list(out.values())
+
+
+SMEM_PER_SM = 228 * 1024        # H100 / H200, of which 1 KB is reserved per CTA
+REGS_PER_SM = 65536
+
+
+def dyn_smem_bytes(host_src: str) -> int:
+    """The dynamic shared memory a kernel launches with: the launch's last argument in TileLang's host code (grid
+    x, y, z, block x, y, z, then the bytes)."""
+    sizes = re.findall(r"\[\d+\]\.v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]"
+                       r"\.type_index\) = 0;", host_src)
+    assert sizes, "no kernel launch found in the host source"
+    return int(sizes[-1])
+
+
+def hang_checks(src: str, host_src: str) -> list:
+    """What in a build's generated CUDA would hang it or fail its launch on the GPU (empty: nothing):
+
+    - a block-wide barrier under a thread-dependent branch (`divergent_syncs`);
+    - warp-specialized kernels (setmaxnreg): any block-wide barrier past the one after the mbarrier init (the roles
+      synchronise through mbarriers), or setmaxnreg budgets that add up to more registers than the launch holds
+      (a setmaxnreg.inc that never returns);
+    - more shared memory per CTA than the CTAs per SM the build is sized for (`__launch_bounds__`) can have.
+    """
+    from _helpers import divergent_syncs
+
+    bad = [f"__syncthreads() under a thread-dependent branch at line {n}" for n in divergent_syncs(src)]
+    bounds = re.search(r"__launch_bounds__\((\d+)(?:, (\d+))?\)", src)
+    threads, blocks = int(bounds.group(1)), int(bounds.group(2) or 1)
+    regs = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)]
+    if regs:
+        if src.count("__syncthreads()") != 1:
+            bad.append(f"{src.count('__syncthreads()')} block-wide barriers in a warp-specialized kernel (1 expected)")
+        cap = REGS_PER_SM // (threads * blocks) // 8 * 8       # registers per thread at launch
+        if sum(regs) > threads // 128 * cap:
+            bad.append(f"setmaxnreg budgets {regs} exceed {threads // 128} warpgroups x {cap} registers")
+    smem = dyn_smem_bytes(host_src)
+    if (smem + 1024) * blocks > SMEM_PER_SM:
+        bad.append(f"{smem} B of shared memory per CTA do not fit {blocks} CTAs per SM")
+    return bad

@@ -236,7 +236,7 @@ def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch
         num_sms: SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200).
         Needs no GPU. Returns the seconds spent. Bad arguments raise ValueError / TypeError naming them.
     """
-    from .kernels.warmup import warmup as _warmup  # noqa: PLC0415
+    from .precompile import warmup as _warmup  # noqa: PLC0415
 
     return _warmup(list(heads), head_dim=tuple(head_dim), dtype=dtype, beta_dtype=beta_dtype, scale=scale,
                    initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), num_sms=num_sms,

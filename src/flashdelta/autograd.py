@@ -23,7 +23,8 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import dispatch
-from .portable import l2norm_bwd, l2norm_fwd
+from .portable import l2norm_bwd
+from .stages import KernelSet
 
 
 def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -46,23 +47,17 @@ def _cu(q: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     return cu_seqlens.to(torch.int32).contiguous()
 
 
-def _param(x: Tensor, kset: dispatch.KernelSet) -> Tensor:
+def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
     """beta or the initial state as the kernel set takes it: a dtype its launchers lack (float64 into the fp32
     kernels) goes in as float32, the precision they compute in."""
-    if kset.param_dtypes is None or x.dtype in kset.param_dtypes:
-        return x
-    return x.float()
+    if x is None:
+        return None
+    return x.to(kset.param_dtype(x.dtype)).contiguous()
 
 
 def _gate_dtype(q: Tensor) -> torch.dtype:
     """The gate is fp32 end to end; float64 inputs (gradcheck, references) keep float64."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _l2norm(x: Tensor, kset: dispatch.KernelSet):
-    """Normalised x (and rstd). Kernels take it in x's dtype (their GEMM operand precision); the portable
-    path keeps it in its float32/float64 compute precision."""
-    return kset.l2norm_fwd(x)
 
 
 _warned: set = set()
@@ -78,22 +73,19 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 2
 
 
-def _backends(q: Tensor, v: Tensor, need_bwd: bool) -> tuple:
+def _plan(q: Tensor, v: Tensor, need_bwd: bool) -> dispatch.Plan:
+    """The backend of each stage for this call; under auto, says once (per shape and set of stages) which stages run
+    on the portable path on a GPU that has native kernels, and why."""
     K, V = q.shape[-1], v.shape[-1]
-    fwd, bwd = dispatch.resolve(q.device, K, V, q.dtype, need_bwd=need_bwd)
-    used = (fwd, bwd) if need_bwd else (fwd,)
-    if "torch" not in used or dispatch.requested_backend() != "auto":
-        return fwd, bwd
-    native = dispatch.native_backend(q.device)
-    if native:  # auto chose the portable path on a GPU that has native kernels: say why, once
-        key = (native, K, V, q.dtype, fwd, bwd if need_bwd else None)
+    plan = dispatch.plan(q.device, K, V, q.dtype, need_bwd=need_bwd)
+    if plan.fallback:
+        key = (plan.native, K, V, q.dtype, tuple(plan.fallback))
         if key not in _warned:
             _warned.add(key)
-            why = dispatch.load(native).unsupported(K, V, q.dtype) or "the kernels for that pass do not exist yet"
-            warnings.warn(f"flashdelta: running the portable PyTorch path on {q.device} "
-                          f"(forward: {fwd}, backward: {bwd if need_bwd else '-'}): {why}",
-                          stacklevel=_caller_stacklevel())
-    return fwd, bwd
+            why = "; ".join(dict.fromkeys(plan.fallback.values()))
+            warnings.warn(f"flashdelta: running the portable PyTorch path on {q.device} for "
+                          f"{', '.join(plan.fallback)}: {why}", stacklevel=_caller_stacklevel())
+    return plan
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
@@ -102,7 +94,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_st
     """(o, final_state) through the custom op where autograd, torch.compile or a tensor subclass (fake tensors,
     DTensor, ...) needs it; otherwise (plain tensors, no gradient, eager) the same function called directly. The
     custom op's eager dispatch imports torch._dynamo on its first call (1.4 s on the CPU machine, ~4 s on the GPU
-    machine, NOTES-gpu.md session 5) and adds per-call Python overhead; inference does not need either."""
+    machine) and adds per-call Python overhead; inference does not need either."""
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
     # (functorch's vmap/grad wrappers are of type Tensor too; the op runs them through torch's batching fallback)
     if need_bwd or torch.compiler.is_compiling() or not all(
@@ -123,15 +115,16 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
         ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
               else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
         return o, ht
-    fwd, _ = _backends(q, v, need_bwd)
-    kset = dispatch.load(fwd)
+    plan = _plan(q, v, need_bwd)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
-        qf, kf = _l2norm(qf, kset)[0], _l2norm(kf, kset)[0]
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _param(_flat(beta), kset), _cu(q, cu_seqlens)
-    h0 = _param(initial_state, kset).contiguous() if initial_state is not None else None
-    g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
-    o, ht = kset.chunk_fwd(qf, kf, vf, g_cumsum, bf, A, h0, cu, scale=scale, state_v_first=state_v_first)
+        l2norm = plan.fn("l2norm_fwd")
+        qf, kf = l2norm(qf)[0], l2norm(kf)[0]
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
+    g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
+    ks = plan.kset("chunk_fwd")
+    o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
+                         state_v_first=state_v_first)
     return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
 
 
@@ -163,20 +156,22 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             dht.to(initial_state.dtype).clone() if dht is not None else torch.zeros_like(initial_state))
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0)
-    _, bwd = _backends(q, v, True)
-    kset = dispatch.load(bwd)
+    plan = _plan(q, v, True)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
-        (qf, rq), (kf, rk) = _l2norm(qf, kset), _l2norm(kf, kset)
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _param(_flat(beta), kset), _cu(q, cu_seqlens)
-    h0 = _param(initial_state, kset).contiguous() if initial_state is not None else None
+        l2norm = plan.fn("l2norm_fwd")
+        (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
+    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
     dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
-    g_cumsum, A = kset.prepare_fwd(kf, gf, bf, cu)
-    h = kset.state_recompute(kf, vf, g_cumsum, bf, A, h0, cu, state_v_first=state_v_first)
-    dq, dk, dv, dbeta, dG, dh0 = kset.chunk_bwd(qf, kf, vf, g_cumsum, bf, A, h, _flat(do), dht, cu,
-                                                scale=scale, state_v_first=state_v_first)
-    dq, dk = kset.group_sum(dq, H), kset.group_sum(dk, H)
-    dg = kset.prepare_bwd(dG, cu)
+    g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
+    ks = plan.kset("chunk_bwd")      # state_recompute's too (stages.COUPLED: h is backend-private)
+    h = ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
+                           state_v_first=state_v_first)
+    dq, dk, dv, dbeta, dG, dh0 = ks.chunk_bwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, h, _flat(do), dht, cu,
+                                              scale=scale, state_v_first=state_v_first)
+    group_sum = plan.fn("group_sum")
+    dq, dk = group_sum(dq, H), group_sum(dk, H)
+    dg = plan.fn("prepare_bwd")(dG, cu)
     if use_qk_l2norm:
         dq, dk = l2norm_bwd(qf, rq, dq), l2norm_bwd(kf, rk, dk)
     dh0 = dh0.to(initial_state.dtype) if initial_state is not None else dh0_empty

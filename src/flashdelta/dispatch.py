@@ -1,81 +1,56 @@
-"""Backend selection: one table from GPU architecture to kernel set, resolved at call time.
+"""Backend selection: one table from GPU architecture to native kernel set, resolved per stage at call time.
 
 Backends:
 - ``torch``: the portable PyTorch chunked path (`flashdelta.portable`), any device, any head dim,
-  computing in float32 (float64 for float64 inputs). Forward and backward.
-- ``sm90``: the Hopper TileLang kernels (`flashdelta.kernels`). Forward today; stages it does not have yet
-  are ``None`` in its `KernelSet`.
+  computing in float32 (float64 for float64 inputs). Every stage.
+- ``sm90``: the Hopper TileLang kernels (`flashdelta.kernels.sm90` declares which stages and shapes).
 
-``FLASHDELTA_BACKEND`` (``auto`` | ``torch`` | ``sm90``) forces one. With ``auto`` each pass takes the best
-backend that has it; a forced backend that lacks a pass or a shape raises `UnsupportedError`, never falls
-back. ``FLASHDELTA_ARCH=sm_90a`` overrides the detected architecture (for compiling without a GPU).
-Nothing here touches a GPU at import.
+``FLASHDELTA_BACKEND`` (``auto`` | ``torch`` | ``sm90``) forces one. With ``auto`` each stage of a pass
+(`stages.FORWARD`, `stages.BACKWARD`) runs on the architecture's native backend where that backend has the stage
+and supports the shape, else on the portable path (stages that share a backend-private tensor, `stages.COUPLED`,
+move together); the stage contract (docs/stages.md) makes the mix valid. A forced backend that lacks a stage or a
+shape raises `UnsupportedError`, never falls back. ``FLASHDELTA_ARCH=sm_90a`` overrides the detected architecture
+(for compiling without a GPU). Nothing here touches a GPU at import.
 """
 from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
+
+from .stages import BACKWARD, COUPLED, FORWARD, KernelSet
 
 ENV_BACKEND = "FLASHDELTA_BACKEND"
 ENV_ARCH = "FLASHDELTA_ARCH"
 BACKEND_NAMES = ("auto", "torch", "sm90")
+PORTABLE = "torch"
 
 
 class UnsupportedError(ValueError):
     """The requested backend, architecture or shape has no kernel."""
 
 
-class KernelSet(NamedTuple):
-    """The stage launchers of one backend (see docs/stages.md); ``None`` where the backend lacks one."""
-    name: str
-    l2norm_fwd: Callable                # q/k normalisation (use_qk_l2norm_in_kernel): x -> (y, rstd)
-    prepare_fwd: Optional[Callable]
-    chunk_fwd: Optional[Callable]
-    state_recompute: Optional[Callable]
-    chunk_bwd: Optional[Callable]
-    group_sum: Optional[Callable]
-    prepare_bwd: Optional[Callable]
-    head_dims: Optional[tuple]          # supported (K, V) pairs; None = any
-    dtypes: tuple                       # supported q/k/v dtypes
-    param_dtypes: Optional[tuple] = None  # beta / initial_state dtypes the launchers take (others go in as fp32)
-
-    def has_fwd(self) -> bool:
-        return self.prepare_fwd is not None and self.chunk_fwd is not None
-
-    def has_bwd(self) -> bool:
-        return None not in (self.state_recompute, self.chunk_bwd, self.group_sum, self.prepare_bwd)
-
-    def unsupported(self, K: int, V: int, dtype: torch.dtype) -> Optional[str]:
-        """Why this kernel set cannot run (K, V, dtype), or None if it can."""
-        if self.head_dims is not None and (K, V) not in self.head_dims:
-            return f"head dims (K={K}, V={V}) are not supported by backend {self.name!r} (supported: {list(self.head_dims)})"
-        if dtype not in self.dtypes:
-            return f"dtype {dtype} is not supported by backend {self.name!r} (supported: {list(self.dtypes)})"
-        return None
-
-
 @functools.lru_cache(maxsize=None)
 def _torch_set() -> KernelSet:
     from . import portable  # noqa: PLC0415
 
-    return KernelSet("torch", portable.l2norm_fwd_compute, portable.prepare_fwd, portable.chunk_fwd,
-                     portable.state_recompute, portable.chunk_bwd, portable.group_sum, portable.prepare_bwd, None,
-                     (torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    return KernelSet(PORTABLE, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                     l2norm_fwd=portable.l2norm_fwd_compute, prepare_fwd=portable.prepare_fwd,
+                     chunk_fwd=portable.chunk_fwd, state_recompute=portable.state_recompute,
+                     chunk_bwd=portable.chunk_bwd, group_sum=portable.group_sum, prepare_bwd=portable.prepare_bwd)
 
 
 @functools.lru_cache(maxsize=None)
 def _sm90_set() -> KernelSet:
-    from .kernels import SM90_HEAD_DIMS, chunk_fwd, l2norm_fwd, prepare_fwd  # noqa: PLC0415
+    from .kernels import sm90  # noqa: PLC0415
 
-    return KernelSet("sm90", l2norm_fwd, prepare_fwd, chunk_fwd, None, None, None, None, SM90_HEAD_DIMS,
-                     (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float16, torch.float32))
+    return sm90.KERNELS
 
 
-_LOADERS = {"torch": _torch_set, "sm90": _sm90_set}
-# Architecture -> native backend. Everything else runs the portable path.
+_LOADERS = {PORTABLE: _torch_set, "sm90": _sm90_set}
+# Architecture -> native backend (its kernel set: `_LOADERS`). Everything else runs the portable path.
 ARCH_TABLE = {(9, 0): "sm90"}
 
 
@@ -113,12 +88,34 @@ def load(name: str) -> KernelSet:
     return _LOADERS[name]()
 
 
-def resolve(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bwd: bool) -> tuple:
-    """Pick (forward backend name, backward backend name) for one call.
+class Plan(NamedTuple):
+    """Which backend runs each stage of a call. `fallback`: the stages that ``auto`` put on the portable path
+    although the device has a native backend, each with the reason (empty when forced or without one)."""
+    backends: dict
+    native: Optional[str]
+    fallback: dict
 
-    Forced backends must support everything asked (else `UnsupportedError`); ``auto`` takes the native
-    backend of the architecture for each pass it implements and supports, and the portable path otherwise.
+    def kset(self, stage: str) -> KernelSet:
+        """The kernel set that runs `stage`."""
+        return load(self.backends[stage])
+
+    def fn(self, stage: str):
+        """The launcher of `stage`."""
+        return getattr(self.kset(stage), stage)
+
+    def summary(self, stages: tuple) -> str:
+        """The backend of these stages: one name, or ``native+torch`` when they are split."""
+        names = list(dict.fromkeys(self.backends[s] for s in stages))
+        return names[0] if len(names) == 1 else "+".join(sorted(names, key=lambda n: n == PORTABLE))
+
+
+def plan(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bwd: bool) -> Plan:
+    """Resolve every stage of the forward (and, with need_bwd, the backward) for one call.
+
+    A forced backend must have every stage and support the shape in each (else `UnsupportedError`); ``auto`` takes
+    the native backend of the architecture for each stage it has and supports, and the portable path otherwise.
     """
+    stages = tuple(dict.fromkeys(FORWARD + (BACKWARD if need_bwd else ())))
     forced = requested_backend()
     if forced != "auto":
         if forced == "sm90":
@@ -130,15 +127,43 @@ def resolve(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bw
         reason = kset.unsupported(K, V, dtype)
         if reason:
             raise UnsupportedError(f"{ENV_BACKEND}={forced}: {reason}")
-        if not kset.has_fwd() or (need_bwd and not kset.has_bwd()):
-            missing = "backward" if kset.has_fwd() else "forward"
-            raise UnsupportedError(f"{ENV_BACKEND}={forced}: backend {forced!r} has no {missing} kernels yet; "
-                                   f"unset {ENV_BACKEND} (auto) to run that pass on the portable path")
-        return forced, forced
+        missing = [s for s in stages if not kset.has([s])]
+        if missing:
+            pass_ = "backward" if kset.has(FORWARD) else "forward"
+            raise UnsupportedError(f"{ENV_BACKEND}={forced}: backend {forced!r} has no {pass_} kernels yet for "
+                                   f"stage(s) {', '.join(missing)}; unset {ENV_BACKEND} (auto) to run them on the "
+                                   f"portable path")
+        for s in stages:
+            reason = kset.unsupported(K, V, dtype, s)
+            if reason:
+                raise UnsupportedError(f"{ENV_BACKEND}={forced}: {reason}")
+        return Plan({s: forced for s in stages}, forced, {})
     native = native_backend(device)
     if native is None:
-        return "torch", "torch"
+        return Plan({s: PORTABLE for s in stages}, None, {})
     kset = load(native)
-    if kset.unsupported(K, V, dtype):
-        return "torch", "torch"
-    return ("torch" if not kset.has_fwd() else native), ("torch" if not kset.has_bwd() else native)
+    fallback = {}
+    for s in stages:
+        if not kset.has([s]):
+            fallback[s] = f"no {native} kernels for these stages yet"
+        else:
+            reason = kset.unsupported(K, V, dtype, s)
+            if reason:
+                fallback[s] = reason
+    for group in COUPLED:
+        hit = [s for s in group if s in fallback]
+        for s in group:
+            if hit and s in stages and s not in fallback:
+                fallback[s] = f"{s} shares its backend with {hit[0]} (backend-private tensors between them)"
+    return Plan({s: PORTABLE if s in fallback else native for s in stages}, native, fallback)
+
+
+def resolve(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bwd: bool) -> tuple:
+    """(forward backend, backward backend) of one call, as names: one backend's name, or ``sm90+torch`` for a pass
+    whose stages are split between a native backend and the portable path (`plan` has the per-stage detail)."""
+    p = plan(device, K, V, dtype, need_bwd=need_bwd)
+    if need_bwd:
+        return p.summary(FORWARD), p.summary(BACKWARD)
+    forced = requested_backend()
+    bwd = forced if forced != "auto" else plan(device, K, V, dtype, need_bwd=True).summary(BACKWARD)
+    return p.summary(FORWARD), bwd

@@ -3,23 +3,11 @@
 auto-dispatched backward."""
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs
+from _helpers import assert_close, make_inputs
+from cases import E2E_BWD, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS, E2E_SCALE_FP64
 
-from flashdelta import chunk_gated_delta_rule, portable
+from flashdelta import autograd, chunk_gated_delta_rule, portable
 from flashdelta.reference.chunked import chunked_fwd
-
-# Few distinct (H, HV, dtype) so the GPU tier compiles few kernel variants: most cases share 2/8.
-CASES = [
-    Case("tp1-like-4k", (4096,), H=16, HV=64, K=128, V=128),
-    Case("varlen-edges", (0, 1, 63, 64, 65, 1000, 0, 130), H=2, HV=8, K=128, V=128, pad=37),
-    Case("gva1-vfirst", (300, 2048), H=4, HV=4, K=128, V=128, state_v_first=True),
-    Case("dense-B2-noh0", (777, 777), H=2, HV=8, K=128, V=128, varlen=False, h0=False),
-    Case("long-32k", (32768,), H=2, HV=8, K=128, V=128),
-    Case("bench-gate-28k+4k", (28672, 4096), H=2, HV=8, K=128, V=128, gate="bench"),
-    Case("gva3-varlen", (700, 1, 2000), H=2, HV=6, K=128, V=128, pad=5),
-]
-# (case, dtype) pairs: every case in bf16, one in fp16
-PAIRS = [(c, torch.bfloat16) for c in CASES] + [(CASES[1], torch.float16)]
 
 
 def _reference(x, l2norm, scale=None):
@@ -37,7 +25,7 @@ def _reference(x, l2norm, scale=None):
     return o_ref.reshape(x["v"].shape), ht_ref, o_pt.reshape(x["v"].shape), ht_pt
 
 
-@pytest.mark.parametrize("case,dtype", PAIRS, ids=[f"{c}-{str(d)[6:]}" for c, d in PAIRS])
+@pytest.mark.parametrize("case,dtype", E2E_PAIRS, ids=[f"{c}-{str(d)[6:]}" for c, d in E2E_PAIRS])
 def test_sm90_forward_matches_reference(case, dtype, monkeypatch):
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
     x = make_inputs(case, dtype=dtype, device="cuda")
@@ -52,8 +40,7 @@ def test_sm90_forward_matches_reference(case, dtype, monkeypatch):
 
 def test_sm90_l2norm_and_scale(monkeypatch):
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    case = Case("l2", (500, 1200), H=2, HV=8, K=128, V=128)
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    x = make_inputs(E2E_L2NORM, dtype=torch.bfloat16, device="cuda")
     x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not normalised: the kernel path must normalise
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -62,21 +49,17 @@ def test_sm90_l2norm_and_scale(monkeypatch):
     assert_close("ht", ht, ht_ref, baseline=ht_pt)
 
 
-# a scale other than K^-0.5 (the kernels specialise on it; bench/precompile.py --e2e builds this one)
-OTHER_SCALE = 0.3
-
-
 def test_sm90_scale_and_float64_params(monkeypatch):
     """A non-default scale, and float64 beta / initial state with bf16 q, k, v: the kernels take them as fp32 (their
     compute precision), the final state comes back fp32."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    case = Case("scale-fp64", (700, 1, 1500), H=2, HV=8, K=128, V=128, pad=9)
+    case = E2E_SCALE_FP64
     x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
     x["beta"], x["initial_state"] = x["beta"].double(), x["initial_state"].double()
     with torch.no_grad():
-        o, ht = chunk_gated_delta_rule(**x, scale=OTHER_SCALE, output_final_state=True)
+        o, ht = chunk_gated_delta_rule(**x, scale=E2E_OTHER_SCALE, output_final_state=True)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
-    o_ref, ht_ref, o_pt, ht_pt = _reference(x, False, scale=OTHER_SCALE)
+    o_ref, ht_ref, o_pt, ht_pt = _reference(x, False, scale=E2E_OTHER_SCALE)
     assert_close("o", o, o_ref, baseline=o_pt)
     assert_close("ht", ht, ht_ref, baseline=ht_pt)
     assert torch.all(o[:, -case.pad:] == 0)
@@ -84,7 +67,7 @@ def test_sm90_scale_and_float64_params(monkeypatch):
 
 def test_sm90_forward_is_deterministic_and_graph_capturable(monkeypatch):
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    case = Case("graph", (3000, 1, 5000), H=2, HV=8, K=128, V=128, pad=11)
+    case = E2E_GRAPH
     x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         o1, ht1 = chunk_gated_delta_rule(**x, output_final_state=True)
@@ -106,13 +89,20 @@ def test_sm90_forward_is_deterministic_and_graph_capturable(monkeypatch):
     assert torch.equal(o_g, o3) and torch.equal(ht_g, ht3)
 
 
-def test_auto_backward_on_gpu():
-    """Auto dispatch: sm90 forward, portable backward (fp32) on the GPU, against the float64 recurrence."""
+def test_auto_backward_on_gpu(monkeypatch):
+    """Auto dispatch with gradients: the sm90 forward, and per stage in the backward: sm90 prepare_fwd and prepare_bwd,
+    the portable state_recompute, chunk_bwd and group_sum (fp32, said once in a warning), against the float64
+    recurrence."""
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
-    case = Case("bwd", (300, 0, 133), H=2, HV=8, K=128, V=128, pad=5)
+    monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
+    monkeypatch.setattr(autograd, "_warned", set())
+    case = E2E_BWD
     x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    with pytest.warns(UserWarning, match="portable PyTorch path") as rec:
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    msg = str(rec[0].message)
+    assert "chunk_bwd" in msg and "state_recompute" in msg and "prepare_bwd" not in msg and "chunk_fwd" not in msg
     x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
            for n, t in x.items()}
     o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)

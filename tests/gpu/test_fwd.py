@@ -5,51 +5,14 @@ to the input dtype, as the prepare kernel stores it), and the reference and the 
 GEMM operands rounded to the input dtype) consume exactly the inputs the kernel gets. Outputs are NaN-poisoned
 (conftest): o on the padding tail must be exactly 0, and an empty sequence's final state is its initial state.
 """
-import dataclasses
-
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs, random_lengths
+from _helpers import Case, assert_close, make_inputs
+from cases import FWD_BIG, FWD_CASES, FWD_DET, FWD_GRAPH, FWD_MANY_SEQS
 
 from flashdelta import portable
 from flashdelta.kernels import fused_fwd
 from flashdelta.reference import chunked as ref
-
-
-@dataclasses.dataclass(frozen=True)
-class FwdCase:
-    name: str
-    seqlens: tuple
-    H: int
-    HV: int
-    K: int = 128
-    V: int = 128
-    pad: int = 0
-    dtype: torch.dtype = torch.bfloat16
-    beta_dtype: torch.dtype = torch.bfloat16
-    h0: bool = True
-    h0_dtype: torch.dtype = torch.float32
-    state_v_first: bool = False
-    gate: str = "model"
-
-    def __str__(self):
-        return self.name
-
-
-EDGES = (1, 0, 63, 64, 65, 200, 130, 0, 127, 129)
-CASES = [
-    FwdCase("edges-gva2-h0-pad37", EDGES, H=2, HV=4, pad=37),
-    FwdCase("edges-gva1-fp16-noh0-vfirst", EDGES, H=4, HV=4, pad=5, dtype=torch.float16,
-            beta_dtype=torch.float32, h0=False, state_v_first=True),
-    FwdCase("gva4-h0bf16-vfirst", (300, 1, 129), H=1, HV=4, h0_dtype=torch.bfloat16, beta_dtype=torch.float32,
-            state_v_first=True),
-    FwdCase("empty-only-pad10", (0,), H=2, HV=2, pad=10),
-    FwdCase("bench-gate-gva4", (4096, 1000), H=2, HV=8, gate="bench", beta_dtype=torch.float32),
-    FwdCase("zero-gate", (129, 64), H=2, HV=2, gate="zero"),
-    FwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9),
-    FwdCase("v256", (100, 64, 3), H=2, HV=4, V=256, pad=9, dtype=torch.float16, beta_dtype=torch.float16),
-    FwdCase("long-32k", (32768,), H=2, HV=4),
-]
 
 
 def _inputs(case):
@@ -87,19 +50,11 @@ def _check(case, x, o, ht):
         assert torch.equal(ht[empty], want), "an empty sequence's final state is its initial state"
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", FWD_CASES, ids=str)
 def test_chunk_fwd(case):
     x = _inputs(case)
     o, ht = _run(x)
     _check(case, x, o, ht)
-
-
-# the cases of the tests below (tests/_builds.py compiles their kernels on the CPU too)
-MANY_SEQS = FwdCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False)
-DET = FwdCase("det", (5000, 77, 1), H=2, HV=8, pad=3)
-GRAPH = FwdCase("graph", (300, 64), H=2, HV=4)
-# test_offsets_past_2_31_elements: heads, dims and dtypes (its inputs are built in the test)
-BIG = FwdCase("2^31", (), H=16, HV=64, beta_dtype=torch.float32)
 
 
 def test_chunk_fwd_many_sequences():
@@ -107,7 +62,7 @@ def test_chunk_fwd_many_sequences():
     reference over all of them does not fit in memory, so a sample (every 7th sequence past index 65,529, plus the
     first 50) is checked: the full launch must match, bit for bit, the kernel run on the sample alone, and that
     run must match the reference."""
-    x = _inputs(MANY_SEQS)
+    x = _inputs(FWD_MANY_SEQS)
     o, ht = _run(x)
     cu = x["cu_seqlens"].tolist()
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -126,7 +81,7 @@ def test_chunk_fwd_many_sequences():
 
 
 def test_chunk_fwd_deterministic():
-    x = _inputs(DET)
+    x = _inputs(FWD_DET)
     o1, h1 = _run(x)
     o2, h2 = _run(x)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
@@ -134,7 +89,7 @@ def test_chunk_fwd_deterministic():
 
 def test_chunk_fwd_graph_capturable():
     """No host synchronisation: the launch records into a CUDA graph and replays to the same result."""
-    x = _inputs(GRAPH)
+    x = _inputs(FWD_GRAPH)
     o_ref, h_ref = _run(x)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -155,7 +110,7 @@ def test_offsets_past_2_31_elements():
     and fused kernels. Its outputs from the big launch must equal, bit for bit, a launch on that sequence alone."""
     from flashdelta.kernels import prepare
 
-    H, HV, K, V = BIG.H, BIG.HV, BIG.K, BIG.V
+    H, HV, K, V = FWD_BIG.H, FWD_BIG.HV, FWD_BIG.K, FWD_BIG.V
     T0, T1 = 2 ** 31 // (HV * V), 3000          # sequence 1 starts exactly at o element 2^31
     T = T0 + T1
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -163,12 +118,12 @@ def test_offsets_past_2_31_elements():
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
 
-    q = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(BIG.dtype)
-    k = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(BIG.dtype)
-    v = randn(1, T, HV, V).to(BIG.dtype)
+    q = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(FWD_BIG.dtype)
+    k = torch.nn.functional.normalize(randn(1, T, H, K), dim=-1).to(FWD_BIG.dtype)
+    v = randn(1, T, HV, V).to(FWD_BIG.dtype)
     g = torch.nn.functional.logsigmoid(randn(1, T, HV)) / 16
-    beta = torch.sigmoid(randn(1, T, HV)).to(BIG.beta_dtype)
-    h0 = randn(2, HV, K, V).to(BIG.h0_dtype)
+    beta = torch.sigmoid(randn(1, T, HV)).to(FWD_BIG.beta_dtype)
+    h0 = randn(2, HV, K, V).to(FWD_BIG.h0_dtype)
     cu = torch.tensor([0, T0, T], dtype=torch.int32, device="cuda")
     assert v.numel() > 2 ** 31 and T0 * HV * V == 2 ** 31
 
@@ -187,19 +142,10 @@ def test_offsets_past_2_31_elements():
     assert torch.isfinite(o_big[:, :T0]).all()
 
 
-# The builder's development switches (fused_fwd.SWITCHES) other than the launcher's: each build is a complete
-# kernel and is held to the same reference checks (ragged edges + padding, fp16/no h0/v-first, GVA4, V=256).
-VARIANT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
-SWITCH_SETS = {"plain-order": {"overlap": False}, "no-early-release": {"early_release": not fused_fwd.EARLY_RELEASE},
-               "pdl": {"pdl": not fused_fwd.PDL_SYNC}, "split-store": {"split_store": not fused_fwd.SPLIT_STORE},
-               "pout-triple": {"pout_triple": not fused_fwd.POUT_TRIPLE}}
-
-
-@pytest.mark.parametrize("switches", list(SWITCH_SETS))
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=str)
-def test_chunk_fwd_variant(case, switches):
-    x = _inputs(case)
-    o, ht = fused_fwd.chunk_fwd_variant(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"],
-                                        x["initial_state"], x["cu_seqlens"], scale=x["scale"],
-                                        state_v_first=x["state_v_first"], **SWITCH_SETS[switches])
-    _check(case, x, o, ht)
+def test_chunk_fwd_converts_a():
+    """The stage contract (docs/stages.md): A in another float dtype (the portable prepare's fp32) is converted to q's
+    dtype, with the same results."""
+    x = _inputs(FWD_GRAPH)
+    o, ht = _run(x)
+    o2, ht2 = _run(dict(x, A=x["A"].float()))
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)

@@ -4,22 +4,15 @@ Outputs are NaN-poisoned (conftest), so a row the kernel forgets fails the non-f
 import pytest
 import torch
 from _helpers import assert_close
+from cases import L2NORM_CASES
 
 from flashdelta import portable
-from flashdelta.reference import chunked as ref
 from flashdelta.kernels.l2norm import l2norm_fwd
-
-# (rows shape [B, T, H], K, dtype, input scale): row counts that are and are not multiples of the 64-row tile
-CASES = [
-    ((1, 4096, 16), 128, torch.bfloat16, 1.0),
-    ((1, 1001, 3), 128, torch.bfloat16, 30.0),
-    ((2, 77, 4), 64, torch.float16, 0.01),
-    ((1, 300, 2), 256, torch.bfloat16, 1.0),
-    ((1, 1, 1), 128, torch.float16, 5.0),
-]
+from flashdelta.reference import chunked as ref
 
 
-@pytest.mark.parametrize("shape,K,dtype,mag", CASES, ids=[f"{s}-K{k}-{str(d)[6:]}" for s, k, d, _ in CASES])
+@pytest.mark.parametrize("shape,K,dtype,mag", L2NORM_CASES,
+                         ids=[f"{s}-K{k}-{str(d)[6:]}" for s, k, d, _ in L2NORM_CASES])
 def test_l2norm_matches_reference(shape, K, dtype, mag):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(*shape, K, generator=gen, device="cuda") * mag).to(dtype)

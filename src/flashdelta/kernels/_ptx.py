@@ -2,31 +2,7 @@
 T.call_extern. A prelude precedes TileLang's own includes, so only builtins and inline PTX appear here.
 """
 
-# Development timelines (fused_fwd / prepare `profile=True` builds): prepended to the kernel source (T.Kernel prelude)
-# only when profiling. forceinline, so no call boundary sits between wgmma instructions; "memory" clobbers keep
-# shared/global accesses from moving across a timer read. fd_prof_stamp writes %clock64 (the SM's cycle counter)
-# to buf[idx] when `on`; fd_prof_cal writes a %clock64/%globaltimer pair (cycles -> ns) to buf[idx], buf[idx + 1].
-PROF_PRELUDE = r"""
-__device__ __forceinline__ void fd_prof_stamp(void* buf, int idx, bool on) {
-  if (on) {
-    long long t;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-  }
-}
-__device__ __forceinline__ void fd_prof_cal(void* buf, int idx, bool on) {
-  if (on) {
-    long long t, g;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
-    static_cast<long long*>(buf)[idx] = t;
-    static_cast<long long*>(buf)[idx + 1] = g;
-  }
-}
-"""
-
-
-# Always prepended: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
+# fused_fwd: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
 # bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
 # t = 8 n + 2 (lane % 4) + e at register 4 n + 2 h + e (the wgmma m64 accumulator layout); register pairs (e = 0, 1)
 # are one packed conversion, and each 8x8 (v, t) block is one stmatrix .trans matrix whose rows land on o_s rows t.
@@ -65,11 +41,11 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 """
 STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
 
-# Always prepended: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
+# fused_fwd: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and
 # step, addresses by adds. (The TileLang loop it replaces spent its time on 64-bit index arithmetic and bounds
 # predicates; one cp.async.bulk per row was much slower, ~43 ns per copy; a TMA tensor store per chunk was 1% slower
-# than this loop: NOTES-gpu.md session 4.)
+# than this loop: docs/fused_fwd.md, "Tried".)
 STORE_ROWS_PRELUDE = r"""
 __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int rows, long long dst_pitch,
                                               int src_pitch, int lane) {
@@ -105,8 +81,8 @@ __device__ __forceinline__ void fd_store_rows(void* dst, const void* src, int ro
 #   D_b^T scratch fp32 [4][16][20], then the strip [16][72] in A's dtype.
 #   a_out: the global A row of the chunk's first token for this value head; rows are a_pitch elements apart; rows
 #   >= `rows` are not written.  active: false = the warp has no head (it returns).  tid: the thread's CTA index.
-# Measured (NOTES-gpu.md session 6): prepare 0.31 -> 0.19 ms at 16/64 1x32k against the CTA-wide levels it
-# replaced; reading level 0's blocks by 16-byte rows instead of elements made no difference.
+# Measured: prepare 0.31 -> 0.19 ms at 16/64 1x32k against the CTA-wide levels it replaced; reading level 0's blocks
+# by 16-byte rows instead of elements made no difference (docs/fused_fwd.md, "The prepare kernel").
 WY_LP = 56
 WY_WS_FLOATS = 4 * 16 * 20 + 16 * 72 // 2
 WY_INVERSE_PRELUDE = PACK2_PRELUDE + r"""
@@ -285,9 +261,9 @@ __device__ __forceinline__ void fd_wy_inverse_warp(const void* lhi_p, const void
 """
 WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse_warp<true>"}
 
-# prepare_fwd's producer warp (the persistent build, `prepare_pipe`): whole-warp helpers, every lane calls them.
+# prepare_fwd's producer warp (the persistent kernel, `prepare_pipe`): whole-warp helpers, every lane calls them.
 # fd_find_seq: the last sequence n in [0, n_seqs] with cu[n] / bt + n <= slot (the chunk-slot numbering of
-# `prepare`'s module docstring), by a 32-way search per step (one step for up to 31 sequences).
+# kernels/_chunks.py), by a 32-way search per step (one step for up to 31 sequences).
 # fd_gate_cumsum<G>: the inclusive cumsums of G adjacent value heads' gate columns over a chunk, rows [0, rows) read
 # from g and written to gc (rows `pitch` floats apart), two rows per lane and a shuffle scan; zeros when `zero`.
 PRODUCER_PRELUDE = r"""

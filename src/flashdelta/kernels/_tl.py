@@ -1,14 +1,17 @@
-"""TileLang plumbing shared by every Hopper kernel module: target, pass configs, output allocation.
+"""TileLang plumbing shared by every Hopper kernel module: target, pass configs, dtype names, the `jit` builder
+decorator, output allocation, cu_seqlens as the kernels take it, the SM count.
 
-Nothing here runs at import time beyond defining names; `tilelang` itself is imported lazily.
+`tilelang` itself is imported on first use (by the first `jit` decoration, i.e. when a kernel module is imported).
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import os
+from typing import Optional
 
 import torch
+
+from . import timeline
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -18,6 +21,18 @@ PASS_CONFIGS = {
     "tl.enable_fast_math": True,
     "tl.disable_data_race_check": True,
 }
+# Warp-specialized kernels (fused_fwd, prepare_pipe): every cross-role hand-off is an mbarrier and every
+# intra-warpgroup barrier is written out. TileLang's automatic syncs would land inside per-element loops or put a
+# __syncthreads (all threads) where it cannot prove a buffer is thread-private, and shared-memory reuse would
+# alias buffers that different roles own at the same time.
+WS_PASS_CONFIGS = {**PASS_CONFIGS, "tl.disable_shared_memory_reuse": True, "tl.disable_thread_storage_sync": True}
+
+# torch dtype -> TileLang dtype name (builder arguments are these strings)
+TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+            torch.float64: "float64"}
+
+# SM count a build is sized for when the machine has no GPU (H100 SXM, H200)
+DEFAULT_NUM_SMS = 132
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,6 +41,51 @@ def tilelang():
     import tilelang as tl  # noqa: PLC0415
 
     return tl
+
+
+class Builder:
+    """A `tilelang.jit` builder of one kernel module: calling it returns the compiled kernel for its arguments (the
+    in-memory memo, then TileLang's disk cache keyed by the kernel's TIR). Inside `timeline.record(table)` for this
+    builder's table it returns the instrumented build instead, compiled once per recording and arguments and never
+    memoised with the plain builds."""
+
+    def __init__(self, impl, table: Optional[timeline.Table]):
+        self.impl, self.table = impl, table
+        fn = impl.func.orig_func
+        self.__name__ = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"     # e.g. "fused_fwd.build"
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args):
+        rec = timeline.active(self.table)
+        if rec is None:
+            return self.impl(*args)
+        key = (self.__name__, args)
+        if key not in rec.kernels:
+            # traced now (TileLang memoises a builder's TIR per arguments; this trace sees the recording), compiled
+            # with the builder's settings; TileLang's disk cache keys it by this TIR
+            impl = self.impl
+            with impl._get_frontend_target_context():
+                prim = impl.func.orig_func(*args)
+            rec.kernels[key] = tilelang().compile(
+                prim, out_idx=impl.out_idx, execution_backend=impl.execution_backend, target=impl.target,
+                target_host=impl.target_host, verbose=impl.verbose, pass_configs=impl.pass_configs,
+                compile_flags=impl.compile_flags)
+        return rec.kernels[key]
+
+    def get_tir(self, *args):
+        """The kernel's TIR for these arguments (no compile)."""
+        return self.impl.get_tir(*args)
+
+    def __repr__(self) -> str:
+        return f"<kernel builder {self.__name__}>"
+
+
+def jit(*, pass_configs: dict = PASS_CONFIGS, table: Optional[timeline.Table] = None):
+    """Decorator: the SM90 `tilelang.jit` builder (`Builder`) of a kernel module; `table` is the kernel's timeline
+    event table (kernels/timeline.py), None for kernels without one."""
+    def wrap(fn):
+        return Builder(tilelang().jit(target=SM90_TARGET, pass_configs=pass_configs)(fn), table)
+    return wrap
 
 
 def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -37,31 +97,21 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
-def build_with(builder, args: tuple, names: tuple, switches: dict):
-    """`builder(*args)` with some of its trailing parameters `names` (the last len(names) entries of `args`)
-    replaced by keyword (development variants). All arguments stay positional, so one switch set has one
-    compile-cache key however it was spelled. `args` must fill every parameter and `names` must be the
-    builder's trailing parameter names (else a switch would silently land on its neighbour)."""
-    unknown = set(switches) - set(names)
-    if unknown:
-        raise TypeError(f"unknown builder switches {sorted(unknown)}; known: {names}")
-    params = _params(builder)
-    if len(args) != len(params) or params[len(params) - len(names):] != tuple(names):
-        name = getattr(getattr(builder, "func", builder), "__name__", "the builder")
-        raise TypeError(f"builder arguments out of step with {name}: "
-                        f"{len(args)} args for parameters {params}, switches {names}")
-    n = len(names)
-    values = dict(zip(names, args[-n:]))
-    values.update(switches)
-    return builder(*args[:-n], *(values[name] for name in names))
+def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as every kernel takes it: int32, contiguous (no copy when it already is; int64 is converted on
+    its device)."""
+    return cu_seqlens.to(torch.int32).contiguous()
 
 
-_PARAMS: dict = {}
+def num_sms(device: Optional[torch.device] = None) -> int:
+    """SM count of `device` (a CUDA device); None: this machine's current GPU, else `DEFAULT_NUM_SMS`."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return DEFAULT_NUM_SMS
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _num_sms(torch.device(device))
 
 
-def _params(builder) -> tuple:
-    """Parameter names of a `tilelang.jit` builder (its Python function), in order (cached per builder)."""
-    key = id(builder)
-    if key not in _PARAMS:
-        _PARAMS[key] = tuple(inspect.signature(getattr(builder, "func", builder)).parameters)
-    return _PARAMS[key]
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -7,7 +7,6 @@ One launch per tensor, a CTA per 64 rows (row = one token of one head); the row 
 (docs/stages.md).
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
-import tilelang
 import tilelang.language as T
 import torch
 
@@ -17,11 +16,11 @@ from ..portable import L2NORM_EPS
 F32 = "float32"
 BR = 64                    # rows per CTA
 THREADS = 128
-_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = (torch.bfloat16, torch.float16)
 
 
-@tilelang.jit(target=_tl.SM90_TARGET, pass_configs=_tl.PASS_CONFIGS)
-def _build_l2norm_fwd(K: int, dtype: str):
+@_tl.jit()
+def build(K: int, dtype: str):
     # problem config
     R = T.dynamic("R")
 
@@ -54,8 +53,14 @@ def _build_l2norm_fwd(K: int, dtype: str):
 
 
 def builder_args(K: int, dtype: torch.dtype) -> tuple:
-    """The `_build_l2norm_fwd` arguments (its compile-cache key); shared with `warmup`."""
-    return (K, _TORCH_TO_TL[dtype])
+    """The `build` arguments (its compile-cache key)."""
+    return (K, _tl.TL_DTYPE[dtype])
+
+
+def launcher_builds(K: int, dtype: torch.dtype) -> list:
+    """(label, builder, args) of the kernel `l2norm_fwd` launches for rows of K elements in `dtype` (what
+    `flashdelta.warmup` compiles)."""
+    return [(f"l2norm_fwd K={K}", build, builder_args(K, dtype))]
 
 
 def l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +72,11 @@ def l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         y in x's dtype and shape, rstd fp32 of shape ``[..., 1]`` (as `portable.l2norm_fwd`).
     """
-    assert x.dtype in _TORCH_TO_TL, f"l2norm_fwd takes bf16/fp16, got {x.dtype}"
+    assert x.dtype in DTYPES, f"l2norm_fwd takes bf16/fp16, got {x.dtype}"
     K = x.shape[-1]
     rows = x.reshape(-1, K).contiguous()
     y = _tl.alloc(rows.shape, x.dtype, x.device)
     rstd = _tl.alloc((rows.shape[0],), torch.float32, x.device)
     if rows.shape[0] > 0:
-        _build_l2norm_fwd(*builder_args(K, x.dtype))(rows, y, rstd)
+        build(*builder_args(K, x.dtype))(rows, y, rstd)
     return y.view(x.shape), rstd.view(*x.shape[:-1], 1)

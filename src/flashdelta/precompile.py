@@ -1,8 +1,9 @@
-"""Compile every SM90 kernel variant a model needs ahead of time, into TileLang's persistent cache.
+"""Compile every SM90 kernel build a model needs ahead of time, into TileLang's persistent cache
+(`flashdelta.warmup`, ``flashdelta warmup``).
 
 Compilation needs no GPU (the target is fixed to sm_90a), so a cache can be built on a CPU machine and
-shipped; TileLang keys it by the builder arguments and stores it under ``TILELANG_CACHE_DIR``
-(default ``~/.tilelang/cache``).
+shipped; TileLang keys it by the kernel's TIR and stores it under ``TILELANG_CACHE_DIR``
+(default ``~/.tilelang/cache``). The list of builds is `kernels.sm90.forward_builds`: what the launchers pick from.
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import fused_fwd, l2norm, prepare
+from .kernels import sm90
 
 
 def _check(kset, heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scale, num_sms) -> None:
-    """The limits the SM90 kernel set declares (`dispatch.KernelSet`), as clear errors before any compile (a builder
-    would fail an assertion instead)."""
+    """The limits the SM90 kernel set declares, as clear errors before any compile (a builder would fail an
+    assertion instead)."""
     if kset.head_dims is not None and tuple(head_dim) not in kset.head_dims:
         raise ValueError(f"head_dim: (K, V)={tuple(head_dim)} has no SM90 kernels; supported: {list(kset.head_dims)}")
     if dtype not in kset.dtypes:
@@ -38,31 +39,21 @@ def _check(kset, heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scal
 def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torch.bfloat16,
              beta_dtype=torch.float32, h0_dtype=torch.float32, scale: Optional[float] = None,
              initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True,
-             num_sms: Optional[int] = None) -> list:
+             num_sms: Optional[int] = None, backward: bool = False) -> list:
     """(label, builder, args) for every kernel the forward of these head configs launches (with qk_l2norm, the
-    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too). beta / h0 dtypes the kernels lack (float64) build
-    the fp32 kernels the forward runs them with. num_sms: the GPU's SM count, which sizes the persistent prepare
-    kernel's grid (default: this machine's GPU, else 132 as on H100 SXM / H200)."""
-    from .. import dispatch  # noqa: PLC0415
-
-    kset = dispatch.load("sm90")
+    q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too; with backward, the SM90 kernels the backward adds).
+    beta / h0 dtypes the kernels lack (float64) build the fp32 kernels the forward runs them with. num_sms: the GPU's
+    SM count, which sizes the persistent prepare kernel's grid (default: this machine's GPU, else 132 as on H100
+    SXM / H200)."""
+    kset = sm90.KERNELS
     heads = [tuple(h) for h in heads]
     _check(kset, heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
-    # the dtypes the forward passes them in (autograd._param)
-    beta_dtype, h0_dtype = (dt if dt in kset.param_dtypes else torch.float32 for dt in (beta_dtype, h0_dtype))
-    K, V = head_dim
-    scale = K ** -0.5 if scale is None else float(scale)
-    out = []
-    if qk_l2norm:
-        out.append((f"l2norm_fwd K={K}", l2norm._build_l2norm_fwd, l2norm.builder_args(K, dtype)))
-    for H, HV in heads:
-        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms)   # the launcher picks one per call
-        for has_h0 in initial_state:
-            for vfirst in state_v_first:
-                out.append((f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}",
-                            fused_fwd._build_chunk_fwd,
-                            fused_fwd.builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)))
-    return out
+    K = head_dim[0]
+    out = sm90.forward_builds(heads, head_dim=tuple(head_dim), dtype=dtype, beta_dtype=kset.param_dtype(beta_dtype),
+                              h0_dtype=kset.param_dtype(h0_dtype), scale=K ** -0.5 if scale is None else float(scale),
+                              initial_state=initial_state, state_v_first=state_v_first, qk_l2norm=qk_l2norm,
+                              num_sms=num_sms)
+    return out + (sm90.backward_builds(heads) if backward else [])
 
 
 def warmup(heads: Iterable[tuple], *, progress: bool = True, **kwargs) -> float:

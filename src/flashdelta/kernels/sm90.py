@@ -1,0 +1,47 @@
+"""The SM90 kernel set: which stages the Hopper kernels implement, their limits, and every kernel build a pass
+launches for given heads, dims, dtypes and options (`forward_builds`, `backward_builds`, read off the launchers' own
+`launcher_builds` tables: what `flashdelta.precompile` compiles and the CPU test tier checks).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from ..stages import ANY, KernelSet, Stage
+from . import fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
+
+# (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
+HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
+DTYPES = fused_fwd.DTYPES
+# beta / initial-state dtypes the launchers take (float64 goes in as fp32)
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+KERNELS = KernelSet(
+    "sm90", head_dims=HEAD_DIMS, dtypes=DTYPES, param_dtypes=PARAM_DTYPES,
+    l2norm_fwd=l2norm.l2norm_fwd,
+    prepare_fwd=prepare.prepare_fwd,
+    chunk_fwd=fused_fwd.chunk_fwd,
+    prepare_bwd=Stage(prepare_bwd.prepare_bwd, head_dims=ANY),     # per value head and token: any K, V
+)
+
+
+def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
+                   h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
+                   state_v_first: tuple = (False,), qk_l2norm: bool = True, num_sms: Optional[int] = None) -> list:
+    """(label, builder, args) of every kernel the SM90 forward launches for these (H, HV) pairs: the q/k
+    normalisation (with qk_l2norm), each build `prepare_fwd` may pick, and the fused kernel with and without an
+    initial state in each state layout. beta_dtype / h0_dtype as the forward passes them (`KERNELS.param_dtype`).
+    num_sms: the target GPU's SM count (the persistent prepare kernel's grid; None: this machine's GPU, else 132)."""
+    K, V = head_dim
+    out = l2norm.launcher_builds(K, dtype) if qk_l2norm else []
+    for H, HV in heads:
+        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms)
+        out += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, initial_state, state_v_first)
+    return out
+
+
+def backward_builds(heads: Iterable[tuple]) -> list:
+    """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
+    `KERNELS` in `stages.BACKWARD` that the forward does not run)."""
+    return [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]

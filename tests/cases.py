@@ -1,0 +1,135 @@
+"""The GPU tier's case tables, in one place: the GPU tests (tests/gpu/) run them, and tests/_builds.py maps them to the
+kernel builds the launchers pick for them, which the CPU tier compiles (tests/cpu/test_compile_tier.py) and
+bench/precompile.py carries to the GPU machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from _helpers import Case, random_lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdCase:
+    """A `chunk_fwd` stage case (tests/gpu/test_fwd.py)."""
+    name: str
+    seqlens: tuple
+    H: int
+    HV: int
+    K: int = 128
+    V: int = 128
+    pad: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    beta_dtype: torch.dtype = torch.bfloat16
+    h0: bool = True
+    h0_dtype: torch.dtype = torch.float32
+    state_v_first: bool = False
+    gate: str = "model"
+
+    def __str__(self):
+        return self.name
+
+
+FWD_EDGES = (1, 0, 63, 64, 65, 200, 130, 0, 127, 129)
+FWD_CASES = [
+    FwdCase("edges-gva2-h0-pad37", FWD_EDGES, H=2, HV=4, pad=37),
+    FwdCase("edges-gva1-fp16-noh0-vfirst", FWD_EDGES, H=4, HV=4, pad=5, dtype=torch.float16,
+            beta_dtype=torch.float32, h0=False, state_v_first=True),
+    FwdCase("gva4-h0bf16-vfirst", (300, 1, 129), H=1, HV=4, h0_dtype=torch.bfloat16, beta_dtype=torch.float32,
+            state_v_first=True),
+    FwdCase("empty-only-pad10", (0,), H=2, HV=2, pad=10),
+    FwdCase("bench-gate-gva4", (4096, 1000), H=2, HV=8, gate="bench", beta_dtype=torch.float32),
+    FwdCase("zero-gate", (129, 64), H=2, HV=2, gate="zero"),
+    FwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9),
+    FwdCase("v256", (100, 64, 3), H=2, HV=4, V=256, pad=9, dtype=torch.float16, beta_dtype=torch.float16),
+    FwdCase("long-32k", (32768,), H=2, HV=4),
+]
+FWD_MANY_SEQS = FwdCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 3), H=1, HV=2, pad=10, h0=False)
+FWD_DET = FwdCase("det", (5000, 77, 1), H=2, HV=8, pad=3)
+FWD_GRAPH = FwdCase("graph", (300, 64), H=2, HV=4)
+# test_offsets_past_2_31_elements (prepare and the fused kernel): heads, dims and dtypes; its inputs are built there
+FWD_BIG = FwdCase("2^31", (), H=16, HV=64, beta_dtype=torch.float32)
+FWD_ALL = FWD_CASES + [FWD_MANY_SEQS, FWD_DET, FWD_GRAPH, FWD_BIG]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepCase:
+    """A `prepare` stage case (tests/gpu/test_prepare.py)."""
+    name: str
+    seqlens: tuple
+    H: int
+    HV: int
+    K: int = 128
+    pad: int = 0
+    dtype: torch.dtype = torch.bfloat16      # k
+    beta_dtype: torch.dtype = torch.float32
+    gate: str = "model"
+
+    def __str__(self):
+        return self.name
+
+
+PREP_EDGES = (0, 1, 63, 64, 65, 0, 200, 1, 130, 127, 128, 129)
+PREP_CASES = [
+    PrepCase("tp1-dense-4k", (4096,), H=16, HV=64),
+    PrepCase("edges-gva2-pad37", PREP_EDGES, H=4, HV=8, pad=37, beta_dtype=torch.bfloat16),
+    PrepCase("edges-gva2-fp16", PREP_EDGES, H=4, HV=8, pad=37, dtype=torch.float16, beta_dtype=torch.float16),
+    PrepCase("gva4-fp16-pad70", (500, 0, 1, 1000, 77), H=4, HV=16, pad=70, dtype=torch.float16,
+             beta_dtype=torch.float16),
+    PrepCase("gva4-bench-gate", (3000, 1096), H=16, HV=64, gate="bench"),
+    PrepCase("gva1-300seqs", random_lengths(300, (0, 1, 2, 5, 63, 64, 65, 100, 150), 1), H=4, HV=4, pad=3),
+    PrepCase("gva1-zero-gate", (129, 64), H=4, HV=4, gate="zero"),
+    PrepCase("k64-fp16", (100, 64, 3), H=2, HV=4, K=64, pad=9, dtype=torch.float16),
+    PrepCase("k256", (100, 64, 3), H=2, HV=4, K=256, pad=9),
+    # GVA 3 (27B-style 8/24 and 16/48 layers): beta's padded shared tile, the per-head padding-tail loop
+    PrepCase("gva3-edges-pad21", PREP_EDGES, H=2, HV=6, pad=21),
+    # 70k sequences: three rounds of the in-kernel chunk search, more chunks than a grid y/z dim holds
+    PrepCase("70k-seqs", random_lengths(70000, (0, 1, 2, 3), 2), H=1, HV=1, pad=10),
+    # GVA 8: more value heads than warps, inverted in two rounds (or split over two CTAs on a small grid)
+    PrepCase("gva8-rounds", (300, 64, 1, 129), H=1, HV=8, pad=5),
+    PrepCase("tiny-3", (3,), H=2, HV=2),
+]
+# test_prepare_fwd_heads_per_cta: every split of a key head's value heads over CTAs
+PREP_SPLIT_CASES = [PREP_CASES[1], PREP_CASES[3], PREP_CASES[9], PREP_CASES[11]]
+# test_prepare_fwd_offsets_past_2_31_elements (GVA 1: the persistent kernel)
+PREP_BIG = PrepCase("2^31", (), H=16, HV=16)
+PREP_BWD_CASES = [
+    PrepCase("bwd-dense-4k", (4096,), H=16, HV=64),
+    PrepCase("bwd-edges-pad37", PREP_EDGES, H=4, HV=8, pad=37),
+    PrepCase("bwd-70k-seqs", random_lengths(70000, (0, 1, 2, 3, 70), 3), H=1, HV=2, pad=10),
+]
+
+# tests/gpu/test_l2norm.py: (rows shape [B, T, H], K, dtype, input scale): row counts that are and are not multiples
+# of the 64-row tile
+L2NORM_CASES = [
+    ((1, 4096, 16), 128, torch.bfloat16, 1.0),
+    ((1, 1001, 3), 128, torch.bfloat16, 30.0),
+    ((2, 77, 4), 64, torch.float16, 0.01),
+    ((1, 300, 2), 256, torch.bfloat16, 1.0),
+    ((1, 1, 1), 128, torch.float16, 5.0),
+]
+
+# tests/gpu/test_e2e_gpu.py through the public API. Few distinct (H, HV, dtype) so the GPU tier compiles few kernel
+# variants: most cases share 2/8. Inputs from `_helpers.make_inputs` (beta in the input dtype, fp32 h0).
+E2E_CASES = [
+    Case("tp1-like-4k", (4096,), H=16, HV=64, K=128, V=128),
+    Case("varlen-edges", (0, 1, 63, 64, 65, 1000, 0, 130), H=2, HV=8, K=128, V=128, pad=37),
+    Case("gva1-vfirst", (300, 2048), H=4, HV=4, K=128, V=128, state_v_first=True),
+    Case("dense-B2-noh0", (777, 777), H=2, HV=8, K=128, V=128, varlen=False, h0=False),
+    Case("long-32k", (32768,), H=2, HV=8, K=128, V=128),
+    Case("bench-gate-28k+4k", (28672, 4096), H=2, HV=8, K=128, V=128, gate="bench"),
+    Case("gva3-varlen", (700, 1, 2000), H=2, HV=6, K=128, V=128, pad=5),
+]
+# (case, dtype) pairs: every case in bf16, one in fp16
+E2E_PAIRS = [(c, torch.bfloat16) for c in E2E_CASES] + [(E2E_CASES[1], torch.float16)]
+E2E_L2NORM = Case("l2", (500, 1200), H=2, HV=8, K=128, V=128)
+# a scale other than K^-0.5 (the kernels specialise on it), with float64 beta and initial state (they go in as fp32)
+E2E_OTHER_SCALE = 0.3
+E2E_SCALE_FP64 = Case("scale-fp64", (700, 1, 1500), H=2, HV=8, K=128, V=128, pad=9)
+E2E_GRAPH = Case("graph", (3000, 1, 5000), H=2, HV=8, K=128, V=128, pad=11)
+# auto dispatch with gradients: the sm90 forward and the stages of the backward that sm90 has (prepare_fwd,
+# prepare_bwd), the rest on the portable path
+E2E_BWD = Case("bwd", (300, 0, 133), H=2, HV=8, K=128, V=128, pad=5)
+# g = -inf (a full state reset) at a sequence start and g = -1e30 mid-sequence (docs/numerics.md, the gate floor)
+E2E_GATE_FLOOR = Case("gate-floor", (100, 200), H=2, HV=8, K=128, V=128, pad=3)

@@ -4,7 +4,7 @@ auto-dispatched backward."""
 import pytest
 import torch
 from _helpers import assert_close, make_inputs
-from cases import E2E_BWD, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS, E2E_SCALE_FP64
+from cases import E2E_BWD, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS, E2E_SCALE_FP64
 
 from flashdelta import autograd, chunk_gated_delta_rule, portable
 from flashdelta.reference.chunked import chunked_fwd
@@ -116,3 +116,23 @@ def test_auto_backward_on_gpu(monkeypatch):
                      ("initial_state", "dh0")):
         assert_close(tname, x[n].grad, x64[n].grad)
     assert torch.all(x["v"].grad[:, -case.pad:] == 0)
+
+
+def test_sm90_gate_floor(monkeypatch):
+    """The issue's reproduction at the SM90 head dims: g = -inf (a full state reset) at the first token, and g = -1e30
+    mid-sequence, through the public API on the sm90 backend. o and the final state are finite and match the float64
+    recurrence (gates below numerics.GATE_FLOOR count as the floor: docs/numerics.md)."""
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = make_inputs(E2E_GATE_FLOOR, dtype=torch.bfloat16, device="cuda")
+    x["g"][0, 0] = float("-inf")                 # sequence 0's first token, every value head
+    x["g"][0, 150, :3] = -1e30                   # sequence 1, mid-chunk
+    x["g"][0, 100, 5] = float("-inf")            # sequence 1's first token, one value head
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    x64 = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
+    assert_close("o", o, o_ref)
+    assert_close("ht", ht, ht_ref)

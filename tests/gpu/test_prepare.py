@@ -128,3 +128,22 @@ def test_prepare_bwd(case):
     assert_close("dg", dg, dg_ref, tol=1e-5)
     if case.pad:
         assert torch.all(dg[:, -case.pad:] == 0)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-shot", "persistent"])
+@pytest.mark.parametrize("case", [PREP_CASES[1], PREP_CASES[5]], ids=str)
+def test_prepare_fwd_gate_floor(case, persistent):
+    """Gates of -inf (a full state reset) and -1e30 count as numerics.GATE_FLOOR before the cumsum, in both kernels
+    (the one-shot kernel as it loads g, the persistent one in fd_gate_cumsum): g_cumsum is finite and matches the
+    float64 twin, which floors the same way (docs/numerics.md)."""
+    k, g, beta, cu = _inputs(case)
+    g = g.clone()
+    g[0, 0] = float("-inf")                       # a sequence's first token, every value head
+    g[0, 70, :2] = -1e30                          # mid-chunk, some value heads
+    g[0, int(cu[3]), :] = float("-inf")           # another sequence's first token
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu, persistent=persistent)
+    torch.cuda.synchronize()
+    g_ref, A_ref = ref.prepare_fwd(k, g, beta, cu)
+    assert torch.isfinite(g_cumsum).all() and torch.isfinite(g_ref).all()
+    assert_close("g_cumsum", g_cumsum, g_ref)
+    assert_close("A", A, A_ref, baseline=A_ref.to(k.dtype))

@@ -1,6 +1,7 @@
 """Inline CUDA/PTX that the TileLang kernels prepend to their source (T.Kernel prelude) and call with
 T.call_extern. A prelude precedes TileLang's own includes, so only builtins and inline PTX appear here.
 """
+from ..numerics import GATE_FLOOR
 
 # fused_fwd: O^T (the state WG's [BV, BT] fp32 wgmma accumulator, 32 values per thread) -> o_s[t, v] as
 # bf16/fp16, transposed by stmatrix. Thread tx of the warpgroup holds O^T[v, t] for v = 16 warp + 8 h + lane / 4,
@@ -266,6 +267,7 @@ WY_INVERSE = {"bfloat16": "fd_wy_inverse_warp<false>", "float16": "fd_wy_inverse
 # kernels/_chunks.py), by a 32-way search per step (one step for up to 31 sequences).
 # fd_gate_cumsum<G>: the inclusive cumsums of G adjacent value heads' gate columns over a chunk, rows [0, rows) read
 # from g and written to gc (rows `pitch` floats apart), two rows per lane and a shuffle scan; zeros when `zero`.
+# Gates below numerics.GATE_FLOOR count as the floor (docs/numerics.md; NaN stays NaN).
 PRODUCER_PRELUDE = r"""
 __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, int bt, int lane) {
   int lo = 0, width = n_seqs + 1;
@@ -279,6 +281,7 @@ __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, 
   }
   return lo;
 }
+__device__ __forceinline__ float fd_gate_floor(float x) { return x < """ + f"{GATE_FLOOR!r}f" + r""" ? """ + f"{GATE_FLOOR!r}f" + r""" : x; }
 // the G value heads of an item at once (g, gc point at head 0; heads are adjacent): every load issued first
 template <int G>
 __device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long long pitch, int rows, bool zero,
@@ -286,8 +289,8 @@ __device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long l
   float x0[G], x1[G];
   #pragma unroll
   for (int j = 0; j < G; ++j) {
-    x0[j] = !zero && lane < rows ? g[lane * pitch + j] : 0.f;
-    x1[j] = !zero && lane + 32 < rows ? g[(lane + 32) * pitch + j] : 0.f;
+    x0[j] = !zero && lane < rows ? fd_gate_floor(g[lane * pitch + j]) : 0.f;
+    x1[j] = !zero && lane + 32 < rows ? fd_gate_floor(g[(lane + 32) * pitch + j]) : 0.f;
   }
   #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {

@@ -11,12 +11,15 @@ needs no CTA barrier: the four 16x16 diagonal blocks by forward substitution (fp
 substitution over the 16x16 blocks below the diagonal on mma.sync with bf16 hi/lo splits of the fp32 operands
 (hi*hi + hi*lo + lo*hi, ~1e-6 relative), far below the rounding of the stored A: measured A error equals the bf16
 (fp16) rounding of the float64 inverse. A warp inverts one value head, so a 128-thread warpgroup inverts `NW` at once.
-Chunks map to CTAs or work items by chunk slot (kernels/_chunks.py); the padding tail writes zeros.
+Chunks map to CTAs or work items by chunk slot (kernels/_chunks.py); the padding tail writes zeros. Gates below
+`numerics.GATE_FLOOR` (-inf included) count as the floor before the cumsum (docs/numerics.md): -inf would make
+the fused kernel's gate differences -inf - (-inf) = NaN; NaN gates stay NaN.
 """
 # No `from __future__ import annotations`: TileLang evaluates the macro annotations in this scope.
 import tilelang.language as T
 import torch
 
+from ..numerics import GATE_FLOOR
 from . import _tl
 
 F32 = "float32"
@@ -25,6 +28,11 @@ BT = 64
 SUPPORTED_K = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)   # k and A
 NW = 4                     # value heads inverted at once, one per warp of a 128-thread warpgroup
+
+
+def floor_gate(x):
+    """An fp32 gate value, `GATE_FLOOR` where it is below (docs/numerics.md)."""
+    return T.Select(x < T.float32(GATE_FLOOR), T.float32(GATE_FLOOR), x)
 
 
 def hi(x):

@@ -13,7 +13,7 @@ import tilelang.language as T
 import torch
 
 from . import _chunks, _ptx, _tl, timeline
-from .prepare_common import BF16, BT, F32, NW, SUPPORTED_K, heads_key, split_gram
+from .prepare_common import BF16, BT, F32, NW, SUPPORTED_K, floor_gate, heads_key, split_gram
 
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 MIN_BLOCKS = 4             # CTAs per SM the registers and shared memory allow (106 registers, 48.6 KB at K = 128)
@@ -100,7 +100,7 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     for i, d in T.Parallel(BT, K):
                         k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
                     for i, j in T.Parallel(BT, G):
-                        g_shared[i, j] = T.if_then_else(t0 + i < eos, g[0, t0 + i, hv0 + j], 0)
+                        g_shared[i, j] = T.if_then_else(t0 + i < eos, floor_gate(g[0, t0 + i, hv0 + j]), 0)
                         beta_shared[i, j] = T.if_then_else(
                             t0 + i < eos, T.cast(beta[0, t0 + i, hv0 + j], F32), 0)
                     # [BT, K] @ [K, BT] -> [BT, BT]

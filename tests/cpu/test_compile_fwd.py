@@ -29,11 +29,11 @@ def test_variants_are_the_launchers_builds():
         == 4
 
 
-def test_variants_backward_adds_prepare_bwd():
+def test_variants_backward_adds_the_backward_builds():
     fwd = precompile.variants([(2, 8), (4, 8)])
     both = precompile.variants([(2, 8), (4, 8)], backward=True)
     assert both[:len(fwd)] == fwd
-    assert both[len(fwd):] == prepare_bwd.launcher_builds(8)
+    assert both[-1:] == prepare_bwd.launcher_builds(8)        # one prepare_bwd build per HV
 
 
 def test_warmup_compiles_the_variants():
@@ -47,10 +47,16 @@ def test_sm90_kernel_set_stages():
     limits come from the kernels' own tables."""
     kset = dispatch.load("sm90")
     assert kset is sm90.KERNELS and kset.has(stages.FORWARD) and kset.prepare_bwd is prepare_bwd.prepare_bwd
-    assert kset.chunk_bwd is None and kset.state_recompute is None and kset.group_sum is None
+    assert kset.has(["state_recompute"]) == kset.has(["chunk_bwd"])          # stages.COUPLED ship together
     assert set(kset.head_dims) <= set(fused_fwd.HEAD_DIMS) and (128, 128) in kset.head_dims
     assert kset.unsupported(96, 96, torch.bfloat16) and kset.unsupported(96, 96, torch.bfloat16, "prepare_bwd") is None
     assert "prepare_bwd" not in str(kset.unsupported(96, 96, torch.float32, "prepare_bwd"))
+
+
+def _forward_and_prepare_bwd_only(monkeypatch):
+    """The sm90 set with the forward and prepare_bwd only (whatever backward kernels it has besides)."""
+    partial = sm90.KERNELS._replace(state_recompute=None, chunk_bwd=None, group_sum=None)
+    monkeypatch.setitem(dispatch._LOADERS, "sm90", lambda: partial)
 
 
 def test_auto_resolves_each_stage(monkeypatch):
@@ -58,6 +64,7 @@ def test_auto_resolves_each_stage(monkeypatch):
     with the reason); a stage with its own limits (prepare_bwd: any head dims) stays native where the set is not."""
     monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
     monkeypatch.setattr(dispatch, "native_backend", lambda device: "sm90")
+    _forward_and_prepare_bwd_only(monkeypatch)
     cuda = torch.device("cuda")
     plan = dispatch.plan(cuda, 128, 128, torch.bfloat16, need_bwd=True)
     native = {s for s, b in plan.backends.items() if b == "sm90"}
@@ -75,7 +82,7 @@ def test_coupled_stages_move_together(monkeypatch):
     """state_recompute without chunk_bwd (h is backend-private): both run on the portable path."""
     monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
     monkeypatch.setattr(dispatch, "native_backend", lambda device: "sm90")
-    partial = sm90.KERNELS._replace(state_recompute=lambda *a, **k: None)
+    partial = sm90.KERNELS._replace(state_recompute=lambda *a, **k: None, chunk_bwd=None)
     monkeypatch.setitem(dispatch._LOADERS, "sm90", lambda: partial)
     plan = dispatch.plan(torch.device("cuda"), 128, 128, torch.bfloat16, need_bwd=True)
     assert plan.backends["state_recompute"] == plan.backends["chunk_bwd"] == "torch"
@@ -83,6 +90,7 @@ def test_coupled_stages_move_together(monkeypatch):
 
 
 def test_forced_backend_names_the_missing_stages(monkeypatch):
+    _forward_and_prepare_bwd_only(monkeypatch)
     monkeypatch.setenv(dispatch.ENV_BACKEND, "sm90")
     monkeypatch.setenv(dispatch.ENV_ARCH, "sm_90a")
     cuda = torch.device("cuda")

@@ -1,0 +1,402 @@
+"""Stage `chunk_bwd` (Hopper, TileLang): the reverse chunk walk producing dq, dk, dv, dbeta, dG and dh0.
+
+The math is docs/algorithm.md §3; the per-chunk terms are the portable `_bwd_step`'s, in the same order and with
+the same GEMM operand roundings (bf16/fp16 operands, fp32 accumulation), so the portable path at the kernel's
+precision is this kernel's error baseline.
+
+One CTA (two warpgroups) walks every chunk of one (sequence, value head), last chunk first, with all of V in the
+CTA: every K-side product of a chunk (Q K^T, K K^T, the inverse's A^T dA A^T) is formed once. The state gradient
+dS is held transposed, ``dS^T [V, K]`` fp32 in registers, for the whole walk; the state entering each chunk comes
+from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]``, one row per chunk slot, see below). Per chunk c
+(C = BT = 64, ``G`` the chunk-local gate cumsum, rows past the sequence end zeroed in q, k, v, dO and A and given
+``G[len - 1]`` and beta = 0, so they are inert):
+
+    U = K S0, W = V - D U, Ag = A o Gamma o beta_j, Vd = Ag W, Pg = scale Gamma o Q K^T
+    dVd = R o (K dS1) + Pg^T dO;  dv = Ag^T dVd;  dU = -D dv
+    dAb = Gamma o (dVd W^T);  dL = -strictly_lower(A^T (dAb o beta_j) A^T)
+    dP = scale Gamma o (dO Vd^T)
+    dq = scale D dO S0^T + dP K
+    dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + (dAt + dAt^T) K,   dAt = diag(beta) dL
+    dbeta = colsum(dAb o A) + rowsum(dL o K K^T)
+    dG = rowsum(dU o U) + rowsum(Q o scale D dO S0^T) - rowsum(K o R o (Vd dS1^T)) + rowsum(Mx) - colsum(Mx),
+         Mx = Pg o (dO Vd^T) + dAb o A o beta_j;  row len-1 also gets the R-term's total and e_L <dS1, S0>
+    dS0 = e_L dS1 + K^T dU + scale Q^T D dO
+
+The gate path (Gamma, R, D, the dG and dbeta reductions) is fp32 throughout; row and column sums are fragment
+reductions (no transpose through 16-bit shared memory). dq and dk are written per value head in fp32 (the GVA
+group sum follows), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout.
+
+Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
+below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence, value head), sequence
+slowest; the extra sequence index N zero-fills every gradient on the padding tail [cu_seqlens[N], T). Token
+offsets are int64, so tensors past 2^31 elements work.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import tilelang.language as T
+import torch
+
+from . import _tl
+
+BT = 64
+THREADS = 256
+# (K, V) pairs this kernel supports: dS^T [V, K] fp32 is V * K / THREADS registers per thread (64 at 128 x 128).
+HEAD_DIMS = ((128, 128), (64, 64))
+DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, do, dv
+LOG2E = 1.4426950408889634
+
+
+@_tl.jit()
+def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h_dtype: str, scale: float,
+                     has_dht: bool, state_v_first: bool):
+    """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic."""
+    # problem config
+    G = HV // H
+    acc = "float32"
+    assert HV % H == 0 and (K, V) in HEAD_DIMS
+    T_ = T.dynamic("T")
+    N_ = T.dynamic("N")
+    S_ = T.dynamic("S")
+    state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
+    # tiling config
+    NVEC = 6            # per-row partial sums of dG (5) and dbeta (2) share one [NVEC + 1, BT] fp32 tile
+
+    def gamma(g_s, i, j):
+        # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal (never exp of a positive number)
+        return T.exp2(T.Select(i >= j, (g_s[i] - g_s[j]) * LOG2E, -T.infinity(acc)))
+
+    @T.macro
+    def colsum(x_f, x_s, vec_s, row, tx, tot):
+        # column sums of a [BT, BT] fp32 fragment through fp32 shared memory (a fragment reduction over dim 0 has no
+        # layout for the wgmma accumulator); one thread per column
+        T.copy(x_f, x_s)
+        if tx < BT:
+            tot[0] = 0.0
+            for i in T.serial(BT):
+                tot[0] = tot[0] + x_s[i, tx]
+            vec_s[row, tx] = tot[0]
+
+    @T.prim_func
+    def chunk_bwd_kernel(
+        q: T.Tensor((1, T_, H, K), dtype),
+        k: T.Tensor((1, T_, H, K), dtype),
+        v: T.Tensor((1, T_, HV, V), dtype),
+        g: T.Tensor((1, T_, HV), acc),
+        beta: T.Tensor((1, T_, HV), beta_dtype),
+        A: T.Tensor((1, T_, HV, BT), dtype),
+        h: T.Tensor((S_, HV, V, K), h_dtype),
+        do: T.Tensor((1, T_, HV, V), dtype),
+        dht: T.Tensor(state_shape, acc),
+        cu_seqlens: T.Tensor((N_ + 1,), "int32"),
+        dq: T.Tensor((1, T_, HV, K), acc),
+        dk: T.Tensor((1, T_, HV, K), acc),
+        dv: T.Tensor((1, T_, HV, V), dtype),
+        dbeta: T.Tensor((1, T_, HV), acc),
+        dg: T.Tensor((1, T_, HV), acc),
+        dh0: T.Tensor(state_shape, acc),
+    ):
+        with T.Kernel((N_ + 1) * HV, threads=THREADS) as bx:
+            i_n = bx // HV
+            i_hv = bx % HV
+            i_h = i_hv // G
+            tx = T.get_thread_binding()
+
+            # inputs of the chunk (rows past the end zeroed); W overwrites V in place, scale D Q overwrites Q last
+            q_s = T.alloc_shared((BT, K), dtype)
+            k_s = T.alloc_shared((BT, K), dtype)
+            v_s = T.alloc_shared((BT, V), dtype)
+            do_s = T.alloc_shared((BT, V), dtype)
+            a_s = T.alloc_shared((BT, BT), dtype)
+            h_s = T.alloc_shared((V, K), dtype)             # S0^T
+            ds_s = T.alloc_shared((V, K), dtype)            # dS1^T
+            vd_s = T.alloc_shared((BT, V), dtype)           # Vd
+            dvd_s = T.alloc_shared((BT, V), dtype)          # dVd, then dU
+            ag_s = T.alloc_shared((BT, BT), dtype)          # Ag
+            pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then A^T dA, then dAt + dAt^T
+            da_s = T.alloc_shared((BT, BT), dtype)          # dA = dAb o beta_j, then dP
+            dat_s = T.alloc_shared((BT, BT), acc)           # column sums' staging, then dAt = diag(beta) dL
+            g_s = T.alloc_shared((BT,), acc)                # G (rows past the end: G[len - 1])
+            b_s = T.alloc_shared((BT,), acc)                # beta (0 past the end)
+            eg_s = T.alloc_shared((BT,), acc)               # exp(G)
+            r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
+            vec_s = T.alloc_shared((NVEC + 1, BT), acc)     # per-row partial sums of dG and dbeta
+            tot_s = T.alloc_shared((V + BT,), acc)          # <dS1, S0> per row of dS^T, and the R-term per row
+
+            ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
+            u_f = T.alloc_fragment((BT, V), acc)
+            vd_f = T.alloc_fragment((BT, V), acc)
+            dvd_f = T.alloc_fragment((BT, V), acc)
+            dv_f = T.alloc_fragment((BT, V), acc)
+            dq_f = T.alloc_fragment((BT, K), acc)
+            dk_f = T.alloc_fragment((BT, K), acc)
+            p_f = T.alloc_fragment((BT, BT), acc)
+            dag_f = T.alloc_fragment((BT, BT), acc)
+            daba_f = T.alloc_fragment((BT, BT), acc)
+            x_f = T.alloc_fragment((BT, BT), acc)
+            dl_f = T.alloc_fragment((BT, BT), acc)
+            mx_f = T.alloc_fragment((BT, BT), acc)
+            kk_f = T.alloc_fragment((BT, BT), acc)
+            rk_f = T.alloc_fragment((BT, K), acc)
+            rv_f = T.alloc_fragment((BT, V), acc)
+            rvk_f = T.alloc_fragment((V, K), acc)
+            rbt_f = T.alloc_fragment((BT, BT), acc)
+            # one output fragment per reduction: its layout follows the reduced fragment's
+            red_u = T.alloc_fragment((BT,), acc)
+            red_r = T.alloc_fragment((BT,), acc)
+            red_q = T.alloc_fragment((BT,), acc)
+            red_mr = T.alloc_fragment((BT,), acc)
+            red_l = T.alloc_fragment((BT,), acc)
+            vrow_f = T.alloc_fragment((V,), acc)
+            tot = T.alloc_local((1,), acc)
+
+            if i_n == N_:
+                # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
+                tb = cu_seqlens[N_]
+                for it in T.serial(T.ceildiv(T_ - tb, THREADS)):
+                    row = tb + it * THREADS + tx
+                    if row < T_:
+                        r64 = T.cast(row, "int64")
+                        for j in T.serial(K):
+                            dq[0, r64, i_hv, j] = 0.0
+                            dk[0, r64, i_hv, j] = 0.0
+                        for j in T.serial(V):
+                            dv[0, r64, i_hv, j] = T.cast(0, dtype)
+                        dbeta[0, r64, i_hv] = 0.0
+                        dg[0, r64, i_hv] = 0.0
+            else:
+                bos = cu_seqlens[i_n]
+                eos = cu_seqlens[i_n + 1]
+                NT = T.ceildiv(eos - bos, BT)
+                slot0 = bos // BT + i_n
+                n64 = T.cast(i_n, "int64")
+                if has_dht:
+                    if state_v_first:
+                        for i, j in T.Parallel(V, K):
+                            ds_f[i, j] = dht[n64, i_hv, i, j]
+                    else:
+                        for i, j in T.Parallel(V, K):
+                            ds_f[i, j] = dht[n64, i_hv, j, i]
+                else:
+                    T.clear(ds_f)
+
+                for cc in T.serial(NT):
+                    c = NT - 1 - cc
+                    t0 = bos + c * BT
+                    ln = T.min(eos - t0, BT)
+                    s64 = T.cast(slot0 + c, "int64")
+
+                    # ---- loads: rows >= ln are zero (g: G[ln - 1], beta: 0) ----
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.if_then_else(i < ln, q[0, T.cast(t0 + i, "int64"), i_h, j], T.cast(0, dtype))
+                        k_s[i, j] = T.if_then_else(i < ln, k[0, T.cast(t0 + i, "int64"), i_h, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, V):
+                        v_s[i, j] = T.if_then_else(i < ln, v[0, T.cast(t0 + i, "int64"), i_hv, j], T.cast(0, dtype))
+                        do_s[i, j] = T.if_then_else(i < ln, do[0, T.cast(t0 + i, "int64"), i_hv, j],
+                                                    T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, BT):
+                        a_s[i, j] = T.if_then_else(i < ln, A[0, T.cast(t0 + i, "int64"), i_hv, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(V, K):
+                        h_s[i, j] = T.cast(h[s64, i_hv, i, j], dtype)
+                    for i in T.Parallel(BT):
+                        g_s[i] = g[0, T.cast(t0 + T.min(i, ln - 1), "int64"), i_hv]
+                        b_s[i] = T.if_then_else(i < ln, T.cast(beta[0, T.cast(t0 + i, "int64"), i_hv], acc), 0.0)
+                    for i in T.Parallel(BT):
+                        eg_s[i] = T.exp2(g_s[i] * LOG2E)
+                        r_s[i] = T.exp2((g_s[BT - 1] - g_s[i]) * LOG2E)
+
+                    # ---- forward pieces: U, W, Ag, Vd, P ----
+                    T.gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True)          # U = K S0   [BT, K] @ [K, V]
+                    for i, j in T.Parallel(BT, V):
+                        v_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - eg_s[i] * u_f[i, j], dtype)   # W = V - D U
+                    for i, j in T.Parallel(BT, BT):
+                        ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gamma(g_s, i, j) * b_s[j], dtype)
+                    T.gemm(ag_s, v_s, vd_f, clear_accum=True)                           # Vd = Ag W  [BT, BT] @ [BT, V]
+                    T.copy(vd_f, vd_s)
+                    T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)          # P = Q K^T  [BT, K] @ [K, BT]
+                    for i, j in T.Parallel(BT, BT):
+                        pg_s[i, j] = T.cast(p_f[i, j] * gamma(g_s, i, j) * scale, dtype)
+
+                    # ---- e_L <dS1, S0> (the last row's dG term) and dS1 as a GEMM operand ----
+                    for i, j in T.Parallel(V, K):
+                        rvk_f[i, j] = ds_f[i, j] * T.cast(h[s64, i_hv, i, j], acc)
+                    T.reduce_sum(rvk_f, vrow_f, dim=1)
+                    for i in T.Parallel(V):
+                        tot_s[i] = vrow_f[i]
+                    T.copy(ds_f, ds_s)
+
+                    # ---- value path: dVd, dv, dU ----
+                    T.gemm(k_s, ds_s, dvd_f, transpose_B=True, clear_accum=True)       # K dS1      [BT, K] @ [K, V]
+                    for i, j in T.Parallel(BT, V):
+                        dvd_f[i, j] = dvd_f[i, j] * r_s[i]
+                    T.gemm(pg_s, do_s, dvd_f, transpose_A=True)                         # += Pg^T dO [BT, BT] @ [BT, V]
+                    T.copy(dvd_f, dvd_s)
+                    T.gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)      # dv = Ag^T dVd
+                    for i, j in T.Parallel(BT, V):
+                        if i < ln:
+                            dv[0, T.cast(t0 + i, "int64"), i_hv, j] = T.cast(dv_f[i, j], dtype)
+                    T.gemm(dvd_s, v_s, dag_f, transpose_B=True, clear_accum=True)      # dAg = dVd W^T [BT, V] @ [V, BT]
+                    for i, j in T.Parallel(BT, V):
+                        rv_f[i, j] = -eg_s[i] * dv_f[i, j] * u_f[i, j]                  # dU o U
+                        dvd_s[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)              # dU = -D dv
+                    T.reduce_sum(rv_f, red_u, dim=1)
+                    for i in T.Parallel(BT):
+                        vec_s[0, i] = red_u[i]
+
+                    # ---- R Vd dS1^T (dk's first term) and its dG term ----
+                    T.gemm(vd_s, ds_s, dk_f, clear_accum=True)                          # Vd dS1^T   [BT, V] @ [V, K]
+                    for i, j in T.Parallel(BT, K):
+                        dk_f[i, j] = dk_f[i, j] * r_s[i]
+                        rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
+                    T.reduce_sum(rk_f, red_r, dim=1)
+                    for i in T.Parallel(BT):
+                        vec_s[1, i] = red_r[i]
+                        tot_s[V + i] = red_r[i]
+
+                    # ---- through the inverse: dAb, dA, dL ----
+                    for i, j in T.Parallel(BT, BT):
+                        dab = gamma(g_s, i, j) * dag_f[i, j]
+                        da_s[i, j] = T.cast(dab * b_s[j], dtype)
+                        daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
+                    colsum(daba_f, dat_s, vec_s, 6, tx, tot)
+                    T.gemm(a_s, da_s, x_f, transpose_A=True, clear_accum=True)         # A^T dA     [BT, BT] @ [BT, BT]
+                    T.copy(x_f, pg_s)
+                    T.gemm(pg_s, a_s, dl_f, transpose_B=True, clear_accum=True)        # (A^T dA) A^T
+                    for i, j in T.Parallel(BT, BT):
+                        dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
+
+                    # ---- output path: dP, Mx ----
+                    T.gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)        # dPg = dO Vd^T [BT, V] @ [V, BT]
+                    for i, j in T.Parallel(BT, BT):
+                        gam = gamma(g_s, i, j)
+                        da_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)               # dP
+                        mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j] + daba_f[i, j] * b_s[j]
+                    T.reduce_sum(mx_f, red_mr, dim=1)
+                    for i in T.Parallel(BT):
+                        vec_s[2, i] = red_mr[i]
+                    colsum(mx_f, dat_s, vec_s, 3, tx, tot)
+
+                    # ---- dq = scale D dO S0^T + dP K ----
+                    T.gemm(do_s, h_s, dq_f, clear_accum=True)                           # dO S0^T    [BT, V] @ [V, K]
+                    for i, j in T.Parallel(BT, K):
+                        dq_f[i, j] = dq_f[i, j] * (eg_s[i] * scale)
+                        rk_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], acc)
+                    T.reduce_sum(rk_f, red_q, dim=1)
+                    for i in T.Parallel(BT):
+                        vec_s[4, i] = red_q[i]
+                    T.gemm(da_s, k_s, dq_f)                                             # += dP K    [BT, BT] @ [BT, K]
+                    for i, j in T.Parallel(BT, K):
+                        if i < ln:
+                            dq[0, T.cast(t0 + i, "int64"), i_hv, j] = dq_f[i, j]
+
+                    # ---- dk += dU S0^T + dP^T Q + (dAt + dAt^T) K ----
+                    T.gemm(dvd_s, h_s, dk_f)                                            # dU S0^T    [BT, V] @ [V, K]
+                    T.gemm(da_s, q_s, dk_f, transpose_A=True)                           # dP^T Q     [BT, BT] @ [BT, K]
+                    for i, j in T.Parallel(BT, BT):
+                        dat_s[i, j] = b_s[i] * dl_f[i, j]
+                    for i, j in T.Parallel(BT, BT):
+                        pg_s[i, j] = T.cast(dat_s[i, j] + dat_s[j, i], dtype)
+                    T.gemm(pg_s, k_s, dk_f)                                             # (dAt + dAt^T) K
+                    for i, j in T.Parallel(BT, K):
+                        if i < ln:
+                            dk[0, T.cast(t0 + i, "int64"), i_hv, j] = dk_f[i, j]
+
+                    # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T) ----
+                    T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)         # K K^T      [BT, K] @ [K, BT]
+                    for i, j in T.Parallel(BT, BT):
+                        rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
+                    T.reduce_sum(rbt_f, red_l, dim=1)
+                    for i in T.Parallel(BT):
+                        vec_s[5, i] = red_l[i]
+
+                    # ---- dG and dbeta rows (the last real row also gets the chunk totals) ----
+                    if tx == 0:
+                        tot[0] = 0.0
+                        for i in T.serial(V):
+                            tot[0] = tot[0] + tot_s[i]
+                        tot[0] = tot[0] * eg_s[BT - 1]
+                        for i in T.serial(BT):
+                            tot[0] = tot[0] + tot_s[V + i]
+                        vec_s[1, ln - 1] = vec_s[1, ln - 1] - tot[0]
+                    for i in T.Parallel(BT):
+                        if i < ln:
+                            dg[0, T.cast(t0 + i, "int64"), i_hv] = (vec_s[0, i] + vec_s[4, i] - vec_s[1, i]
+                                                                    + vec_s[2, i] - vec_s[3, i])
+                            dbeta[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[5, i] + vec_s[6, i]
+
+                    # ---- dS0^T = e_L dS1^T + dU^T K + (scale D Q)^T... as dO^T (scale D Q) ----
+                    for i, j in T.Parallel(V, K):
+                        ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
+                    T.gemm(dvd_s, k_s, ds_f, transpose_A=True)                          # dU^T K     [V, BT] @ [BT, K]
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
+                    T.gemm(do_s, q_s, ds_f, transpose_A=True)                           # dO^T (scale D Q)
+
+                if state_v_first:
+                    for i, j in T.Parallel(V, K):
+                        dh0[n64, i_hv, i, j] = ds_f[i, j]
+                else:
+                    for i, j in T.Parallel(V, K):
+                        dh0[n64, i_hv, j, i] = ds_f[i, j]
+
+    return chunk_bwd_kernel
+
+
+def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                 h_dtype: torch.dtype, scale: float, has_dht: bool, state_v_first: bool) -> tuple:
+    """The `build` arguments (its compile-cache key) for one call."""
+    return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], _tl.TL_DTYPE[h_dtype], float(scale),
+            bool(has_dht), bool(state_v_first))
+
+
+def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                    h_dtype: torch.dtype, scale: float, dht=(False, True), state_v_first=(False,)) -> list:
+    """(label, builder, args) of every kernel `chunk_bwd` launches for these heads, dims and dtypes, with and without
+    a final-state gradient, in the given state layouts."""
+    return [(f"chunk_bwd H={H} HV={HV} K={K} V={V} dht={has_dht} v_first={vfirst}", build,
+             builder_args(H, HV, K, V, dtype, beta_dtype, h_dtype, scale, has_dht, vfirst))
+            for has_dht in dht for vfirst in state_v_first]
+
+
+def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, state_v_first=False, chunk_size=64):
+    """Fused backward (docs/stages.md `chunk_bwd`).
+
+    Args:
+        q, k: ``[1, T, H, K]`` bf16/fp16; v, do: ``[1, T, HV, V]`` (do is cast to v's dtype); (K, V) in `HEAD_DIMS`.
+        g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
+        h: ``[slots, HV, V, K]`` (fp32, or q's dtype): the transposed state entering each chunk slot, from this
+            backend's `state_recompute`.
+        dht: gradient of the final state, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) fp32, or None.
+        cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+
+    Returns:
+        ``dq, dk [1, T, HV, K]`` fp32 (per value head), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]``
+        fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs; no host
+        synchronisation.
+    """
+    _, T_, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    assert chunk_size == BT and (K, V) in HEAD_DIMS and HV % H == 0
+    assert q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
+    assert g_cumsum.dtype == torch.float32 and h.shape[1:] == (HV, V, K)
+    dev = q.device
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    dq = _tl.alloc((1, T_, HV, K), torch.float32, dev)
+    dk = _tl.alloc((1, T_, HV, K), torch.float32, dev)
+    dv = _tl.alloc((1, T_, HV, V), v.dtype, dev)
+    dbeta = _tl.alloc((1, T_, HV), torch.float32, dev)
+    dG = _tl.alloc((1, T_, HV), torch.float32, dev)
+    dh0 = _tl.alloc(state_shape, torch.float32, dev)
+    if T_ == 0:
+        if dht is None:
+            dh0.zero_()
+        else:
+            dh0.copy_(dht)
+        return dq, dk, dv, dbeta, dG, dh0
+    cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
+    dht_in = dht.float().contiguous() if dht is not None else dh0
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h.dtype, scale, dht is not None, state_v_first)
+    kernel = build(*args)
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
+           A.to(q.dtype).contiguous(), h.contiguous(), do.to(v.dtype).contiguous(), dht_in, cu_seqlens,
+           dq, dk, dv, dbeta, dG, dh0)
+    return dq, dk, dv, dbeta, dG, dh0

@@ -1,0 +1,266 @@
+"""Stages `state_recompute` and `chunk_bwd` on a Hopper GPU against their float64 twins.
+
+`chunk_bwd` is tested on its own first: g_cumsum, A and the per-chunk states come from the float64 reference (A and
+the states rounded as the SM90 kernels store them), so the reference, the baseline (the portable path with GEMM
+operands rounded to the input dtype) and the kernel consume the same inputs. Outputs are NaN-poisoned (conftest):
+every gradient on the padding tail must be exactly 0.
+"""
+import copy
+
+import cases
+import pytest
+import torch
+from _helpers import Case, assert_close, make_inputs
+
+from flashdelta import portable
+from flashdelta.kernels import chunk_bwd as cb
+from flashdelta.reference import chunked as ref
+
+BT = 64
+
+
+def _slots(cu):
+    """(slot, global chunk) pairs: chunk c of sequence n at slot cu[n] // BT + n + c (docs/stages.md)."""
+    cu = cu.tolist()
+    out, g = [], 0
+    for n in range(len(cu) - 1):
+        for c in range(-(-(cu[n + 1] - cu[n]) // BT)):
+            out.append((cu[n] // BT + n + c, g))
+            g += 1
+    return out
+
+
+def slot_states(h, cu, T, state_v_first, dtype):
+    """Per-chunk states [NT, HV, K, V] (state layout; global chunk order) -> the SM90 layout [T // BT + N + 1, HV, V,
+    K] (transposed states at their chunk slots)."""
+    hv_first = h if state_v_first else h.transpose(-1, -2)
+    out = torch.zeros((T // BT + cu.shape[0],) + tuple(hv_first.shape[1:]), dtype=dtype, device=h.device)
+    for slot, g in _slots(cu):
+        out[slot] = hv_first[g].to(dtype)
+    return out
+
+
+def _inputs(case, seed=0):
+    c = Case(case.name, case.seqlens, H=case.H, HV=case.HV, K=case.K, V=case.V, pad=case.pad, h0=case.h0,
+             state_v_first=case.state_v_first, gate=case.gate)
+    x = make_inputs(c, dtype=case.dtype, device="cuda", seed=seed)
+    beta = x["beta"].to(case.beta_dtype)
+    cu = x["cu_seqlens"]
+    g_cumsum, A = ref.prepare_fwd(x["k"], x["g"], beta, cu)
+    A = A.to(case.dtype)
+    g_cumsum = g_cumsum.float()
+    h = ref.state_recompute(x["k"], x["v"], g_cumsum, beta, A, x["initial_state"], cu,
+                            state_v_first=case.state_v_first)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    T = x["q"].shape[1]
+    do = torch.randn(1, T, case.HV, case.V, generator=gen, device="cuda").to(case.dtype)
+    N = cu.shape[0] - 1
+    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
+    dht = torch.randn(shape, generator=gen, device="cuda") if case.dht else None
+    return dict(q=x["q"], k=x["k"], v=x["v"], g_cumsum=g_cumsum, beta=beta, A=A, h=h, do=do, dht=dht, cu_seqlens=cu,
+                scale=case.K ** -0.5, state_v_first=case.state_v_first)
+
+
+def _run(case, x):
+    h = slot_states(x["h"].float(), x["cu_seqlens"], x["q"].shape[1], case.state_v_first, case.h_dtype)
+    return cb.chunk_bwd(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], h, x["do"], x["dht"],
+                        x["cu_seqlens"], scale=x["scale"], state_v_first=case.state_v_first)
+
+
+NAMES = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
+
+
+@pytest.mark.parametrize("case", cases.BWD_CASES, ids=str)
+def test_chunk_bwd(case):
+    x = _inputs(case)
+    got = _run(case, x)
+    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["h"], x["do"], x["dht"], x["cu_seqlens"])
+    kw = dict(scale=x["scale"], state_v_first=case.state_v_first)
+    want = ref.chunk_bwd(*args, **kw)
+    base = portable.chunk_bwd(*args, **kw, compute_dtype=torch.float32, operand_dtype=case.dtype)
+    end = int(x["cu_seqlens"][-1])
+    assert got[2].dtype == case.dtype and all(t.dtype == torch.float32 for i, t in enumerate(got) if i != 2)
+    for name, o, r, b in zip(NAMES, got, want, base):
+        if name == "dh0":
+            assert_close(name, o, r, baseline=b)
+            continue
+        if end:
+            assert_close(name, o[:, :end], r[:, :end], baseline=b[:, :end])
+        assert torch.equal(o[:, end:], torch.zeros_like(o[:, end:])), f"{name} on the padding tail must be 0"
+
+
+@pytest.mark.parametrize("case", [c for c in cases.BWD_CASES if (c.K, c.V) in cb.HEAD_DIMS], ids=str)
+def test_state_recompute(case):
+    """The fused forward's state output: the state entering every chunk at its slot, against the float64 reference
+    (the states' dtype: `fused_fwd.STATES_DTYPE`)."""
+    from flashdelta.kernels import fused_fwd
+
+    x = _inputs(case)
+    h = fused_fwd.state_recompute(x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
+                                  x["cu_seqlens"], state_v_first=case.state_v_first)
+    assert h.dtype == fused_fwd.states_dtype(case.dtype)
+    assert h.shape == (x["q"].shape[1] // BT + x["cu_seqlens"].shape[0], case.HV, case.V, case.K)
+    pairs = _slots(x["cu_seqlens"])
+    if not pairs:
+        return
+    got = h[[s for s, _ in pairs]]
+    want = x["h"] if case.state_v_first else x["h"].transpose(-1, -2)
+    args = (x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"], x["cu_seqlens"])
+    base = portable.state_recompute(*args, state_v_first=case.state_v_first, compute_dtype=torch.float32,
+                                    operand_dtype=case.dtype)
+    base = base if case.state_v_first else base.transpose(-1, -2)
+    assert_close("h", got, want[[g for _, g in pairs]], baseline=base[[g for _, g in pairs]])
+
+
+def test_chunk_bwd_deterministic():
+    case = cases.BWD_DET
+    x = _inputs(case)
+    a, b = _run(case, x), _run(case, x)
+    assert all(torch.equal(s, t) for s, t in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+def _grads(x, o, ht, do, dht):
+    """Backward of (o * do).sum() + (ht * dht).sum(): the input gradients by name."""
+    acc = torch.float64 if o.dtype == torch.float64 else torch.float32
+    ((o.to(acc) * do.to(acc)).sum() + (ht.to(acc) * dht.to(acc)).sum()).backward()
+    return {n: x[n].grad for n in GRAD_INPUTS if x[n] is not None}
+
+
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
+GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
+
+
+@pytest.mark.parametrize("case,dtype,l2norm", cases.BWD_E2E_PAIRS,
+                         ids=[f"{c}-{str(d)[6:]}{'-l2norm' if n else ''}" for c, d, n in cases.BWD_E2E_PAIRS])
+def test_sm90_backward_matches_recurrence(case, dtype, l2norm, monkeypatch):
+    """Every gradient through the public API on the sm90 backend against float64 autograd of the recurrence."""
+    from flashdelta import chunk_gated_delta_rule
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = make_inputs(case, dtype=dtype, device="cuda", requires_grad=True)
+    if l2norm:
+        with torch.no_grad():
+            x["q"].mul_(3)
+            x["k"].mul_(0.5)
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(o.shape, generator=gen, device="cuda").to(dtype)
+    dht = torch.randn(ht.shape, generator=gen, device="cuda")
+    got = _grads(x, o, ht, do, dht)
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    want = _grads(x64, o_ref, ht_ref, do, dht)
+    assert_close("o", o, o_ref)
+    for n in got:
+        assert got[n].dtype == x[n].dtype, f"{GRAD_NAMES[n]} must come back in {n}'s dtype"
+        assert_close(GRAD_NAMES[n], got[n], want[n])
+    if case.pad:
+        for n in ("q", "k", "v", "g", "beta"):
+            assert torch.all(got[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"
+
+
+def test_sm90_backward_deterministic_and_graph_capturable(monkeypatch):
+    """Forward + backward twice: bitwise equal gradients; then the whole step captured in one CUDA graph (no host
+    synchronisation) and replayed on new inputs of the same shapes."""
+    from flashdelta import chunk_gated_delta_rule
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    case = cases.BWD_GRAPH
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    leaves = [x[n] for n in GRAD_INPUTS]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+
+    def step():
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
+        return torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+
+    g1, g2 = step(), step()
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        step()
+        with torch.cuda.graph(graph, stream=s):
+            g_graph = step()
+    torch.cuda.current_stream().wait_stream(s)
+    x2 = make_inputs(case, dtype=torch.bfloat16, device="cuda", seed=9)
+    with torch.no_grad():
+        for n in GRAD_INPUTS:
+            x[n].copy_(x2[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
+
+
+def test_sm90_backward_compile_and_checkpoint(monkeypatch):
+    """torch.compile(fullgraph=True, dynamic=True) over forward + backward with two lengths (no recompile for the
+    second), and torch.utils.checkpoint: both give the eager gradients."""
+    from flashdelta import chunk_gated_delta_rule
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return o.float().square().sum() + ht.sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    for case in cases.BWD_COMPILE:
+        x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        args = [x[n] for n in GRAD_INPUTS]
+        eager = torch.autograd.grad(loss(*args), args)
+        comp = torch.autograd.grad(compiled(*args), args)
+        ckpt = torch.autograd.grad(torch.utils.checkpoint.checkpoint(loss, *args, use_reentrant=False), args)
+        for n, a, b, c in zip(GRAD_INPUTS, eager, comp, ckpt):
+            assert torch.equal(a, c), f"checkpoint changed {GRAD_NAMES[n]}"
+            assert_close(GRAD_NAMES[n], b, a.double(), tol=1e-3)
+
+
+def test_two_layer_model_trains_like_portable(monkeypatch):
+    """A two-layer GDN model (projections, SiLU, loss on the output): five SGD steps on sm90 and on the portable
+    backend from the same weights give the same losses (relative 1e-2) and both decrease."""
+    from flashdelta import chunk_gated_delta_rule
+
+    torch.manual_seed(0)
+    c = cases.BWD_MODEL
+    D, H, HV, K, V, T = 256, c.H, c.HV, c.K, c.V, c.seqlens[0]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = torch.nn.Linear(D, 2 * H * K, bias=False)
+            self.vgb = torch.nn.Linear(D, HV * V + 2 * HV, bias=False)
+            self.out = torch.nn.Linear(HV * V, D, bias=False)
+
+        def forward(self, x):
+            q, k = self.qk(x).view(1, T, 2, H, K).unbind(2)
+            vgb = self.vgb(x)
+            v = vgb[..., :HV * V].view(1, T, HV, V)
+            g = -torch.nn.functional.softplus(vgb[..., HV * V:HV * V + HV].float())
+            beta = torch.sigmoid(vgb[..., HV * V + HV:])
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+            return x + self.out(torch.nn.functional.silu(o.reshape(1, T, HV * V)))
+
+    base = torch.nn.Sequential(Layer(), Layer()).cuda().bfloat16()
+    x = torch.randn(1, T, D, device="cuda").bfloat16()
+    target = torch.randn(1, T, D, device="cuda").bfloat16()
+    losses = {}
+    for backend in ("sm90", "torch"):
+        monkeypatch.setenv("FLASHDELTA_BACKEND", backend)
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[backend] = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = (model(x).float() - target.float()).square().mean()
+            loss.backward()
+            opt.step()
+            losses[backend].append(loss.item())
+    a, b = torch.tensor(losses["sm90"]), torch.tensor(losses["torch"])
+    assert a[-1] < a[0] and b[-1] < b[0], losses
+    assert ((a - b).abs() / b.abs()).max() < 1e-2, losses

@@ -23,7 +23,7 @@ def _add(out: dict, label: str, builder, args: tuple) -> None:
 
 
 def _stage_builds(forced: bool) -> dict:
-    from flashdelta.kernels import fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot, prepare_pipe
+    from flashdelta.kernels import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot, prepare_pipe
 
     out: dict = {}
     for c in cases.FWD_ALL:
@@ -48,6 +48,15 @@ def _stage_builds(forced: bool) -> dict:
             for hpc in prepare.heads_per_cta_options(c.H, c.HV):
                 a = prepare_oneshot.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                 _add(out, f"{c.name}: prepare_fwd heads/CTA={hpc}", prepare_oneshot.build, a)
+    for c in cases.BWD_CASES:
+        if (c.K, c.V) not in chunk_bwd.HEAD_DIMS:
+            continue
+        for label, b, a in chunk_bwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h_dtype,
+                                                     c.K ** -0.5, (c.dht,), (c.state_v_first,)):
+            _add(out, f"{c.name}: {label}", b, a)
+        for label, b, a in fused_fwd.state_recompute_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, torch.float32,
+                                                            (c.h0,), (c.state_v_first,)):
+            _add(out, f"{c.name}: {label}", b, a)
     for c in cases.PREP_BWD_CASES:
         for label, b, a in prepare_bwd.launcher_builds(c.HV):
             _add(out, f"{c.name}: {label}", b, a)
@@ -68,6 +77,10 @@ def _e2e_builds() -> dict:
                                                           scale=cases.E2E_OTHER_SCALE)),
              (cases.E2E_GRAPH, torch.bfloat16, {}),
              (cases.E2E_BWD, torch.bfloat16, dict(backward=True)),
+             (cases.BWD_GRAPH, torch.bfloat16, dict(backward=True)),
+             (cases.BWD_MODEL, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
+             *[(c, dt, dict(backward=True, qk_l2norm=l2)) for c, dt, l2 in cases.BWD_E2E_PAIRS],
+             *[(c, torch.bfloat16, dict(backward=True)) for c in cases.BWD_COMPILE],
              (cases.E2E_GATE_FLOOR, torch.bfloat16, {})]
     out: dict = {}
     for c, dtype, kw in todo:

@@ -49,11 +49,11 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
     heads = [tuple(h) for h in heads]
     _check(kset, heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
     K = head_dim[0]
-    out = sm90.forward_builds(heads, head_dim=tuple(head_dim), dtype=dtype, beta_dtype=kset.param_dtype(beta_dtype),
-                              h0_dtype=kset.param_dtype(h0_dtype), scale=K ** -0.5 if scale is None else float(scale),
-                              initial_state=initial_state, state_v_first=state_v_first, qk_l2norm=qk_l2norm,
-                              num_sms=num_sms)
-    return out + (sm90.backward_builds(heads) if backward else [])
+    opts = dict(head_dim=tuple(head_dim), dtype=dtype, beta_dtype=kset.param_dtype(beta_dtype),
+                h0_dtype=kset.param_dtype(h0_dtype), scale=K ** -0.5 if scale is None else float(scale),
+                initial_state=initial_state, state_v_first=state_v_first)
+    out = sm90.forward_builds(heads, **opts, qk_l2norm=qk_l2norm, num_sms=num_sms)
+    return out + (sm90.backward_builds(heads, **opts) if backward else [])
 
 
 def warmup(heads: Iterable[tuple], *, progress: bool = True, **kwargs) -> float:

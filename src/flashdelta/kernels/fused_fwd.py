@@ -54,6 +54,8 @@ BV = 64
 DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, o
 
 LOG2E = 1.4426950408889634
+# dtype of the per-chunk states `state_recompute` writes for the backward (None: q's dtype)
+STATES_DTYPE = torch.float32
 
 TABLE = timeline.Table(
     "fused_fwd",
@@ -83,8 +85,10 @@ TABLE = timeline.Table(
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool):
-    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
+          has_initial_state: bool, state_v_first: bool, states_dtype: str = ""):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. states_dtype (a
+    dtype name, or "" for none): also write the state entering every chunk, ``S0^T`` to ``hs [slots, HV, V, K]`` at
+    the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for the backward."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -94,12 +98,14 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     NO = 2                          # o staging buffers
     NP = 3                          # buffers of the prep warpgroup's products: it runs up to two chunks ahead
     THREADS = 384
-    assert K in (64, 128) and V % BV == 0 and HV % H == 0
+    assert K in (64, 128) and V % BV == 0 and HV % H == 0 and states_dtype in ("", "float32", dtype)
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
+    # without states_dtype `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
+    hs_t = T.Tensor((T.dynamic("S"), HV, V, K), states_dtype) if states_dtype else None
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
@@ -121,11 +127,17 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s):
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot, i_hv, v0):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
-        # is pending; on exit the Y Ae^T group is pending.
+        # is pending; on exit the Y Ae^T group is pending. With states_dtype S0^T also goes to hs[slot].
+        if states_dtype == "float32":
+            for i, j in T.Parallel(BV, K):
+                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = s_f[i, j]
         T.copy(s_f, sb_f)
+        if states_dtype == dtype:
+            for i, j in T.Parallel(BV, K):
+                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = sb_f[i, j]
         T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
@@ -252,6 +264,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         o: T.Tensor((1, T_, HV, V), dtype),
         ht: T.Tensor(state_shape, acc),
+        hs: hs_t,
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
@@ -302,6 +315,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
                 n64 = T.cast(i_n, "int64")
+                slot0 = bos // BT + i_n           # chunk slot of the first chunk (states_dtype)
 
                 if tx < 128:
                     # ================= state warpgroup =================
@@ -335,7 +349,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         mark(0, "s.prep")
                         T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
                                      clear_accum=True)
-                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot0, i_hv, v0)
                         T.wait_wgmma(0)
                         mark(0, "s.vd_done")
                         T.barrier_arrive(empty_va[0])
@@ -352,7 +366,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                                          transpose_B=True, clear_accum=True)
                             T.wait_wgmma(1)
                             mark(c, "s.tail")
-                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s)
+                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot0 + c + 1, i_hv,
+                                     v0)
                             release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                             T.wait_wgmma(0)
                             mark(c + 1, "s.vd_done")
@@ -424,6 +439,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     return chunk_fwd_kernel
 
 
+def states_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-chunk states `state_recompute` writes for inputs of `dtype` (`STATES_DTYPE`)."""
+    return STATES_DTYPE or dtype
+
+
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                  h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
     """The `build` arguments (its compile-cache key) for one call."""
@@ -437,6 +457,15 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dt
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles)."""
     return [(f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}", build,
              builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst))
+            for has_h0 in initial_state for vfirst in state_v_first]
+
+
+def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                           h0_dtype: torch.dtype, initial_state=(False, True), state_v_first=(False,)) -> list:
+    """(label, builder, args) of every kernel `state_recompute` launches (the fused forward writing its states)."""
+    sd = _tl.TL_DTYPE[states_dtype(dtype)]
+    return [(f"state_recompute H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}", build,
+             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, 1.0, has_h0, vfirst) + (sd,))
             for has_h0 in initial_state for vfirst in state_v_first]
 
 
@@ -456,6 +485,24 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
+    o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                       state_v_first=state_v_first, chunk_size=chunk_size, states_dtype=None)
+    return o, ht
+
+
+def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
+    """The state entering every chunk, for `chunk_bwd` (docs/stages.md `state_recompute`; the SM90 layout is private
+    to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` in `STATES_DTYPE`, the transposed state ``S0^T`` of
+    chunk c of sequence n at slot ``cu_seqlens[n] // BT + n + c`` (slots no chunk owns are not written). Runs the
+    fused forward with its state output on (o is computed with k in q's place and dropped)."""
+    _, h, _ = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
+                      chunk_size=chunk_size, states_dtype=states_dtype(k.dtype))
+    return h
+
+
+def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
+            states_dtype):
+    """Both launchers' body: (o, ht, None), or (o, hs, ht) with states_dtype."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -468,16 +515,22 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
+    hs = None
+    if states_dtype is not None:
+        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), states_dtype, dev)
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()
         else:
             ht.copy_(initial_state)
-        return o, ht
+        return (o, hs, ht) if hs is not None else (o, ht, None)
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
-    kernel = build(*builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None,
-                                 state_v_first))
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
-           h0.contiguous(), cu_seqlens, o, ht)
-    return o, ht
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
+    tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
+               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    if hs is None:
+        build(*args)(*tensors)
+        return o, ht, None
+    build(*args, _tl.TL_DTYPE[states_dtype])(*tensors, hs)
+    return o, hs, ht

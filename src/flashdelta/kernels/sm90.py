@@ -9,11 +9,22 @@ from typing import Iterable, Optional
 import torch
 
 from ..stages import ANY, KernelSet, Stage
-from . import fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
+from . import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
 
 # (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
 HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
 DTYPES = fused_fwd.DTYPES
+
+
+def group_sum(dx: torch.Tensor, H: int) -> torch.Tensor:
+    """Stage `group_sum`: ``[1, T, HV, K]`` fp32 -> ``[1, T, H, K]`` fp32, the sum over the HV / H value heads of
+    each key head (one reduction over a contiguous view; at HV == H the input itself)."""
+    _, T_, HV, D = dx.shape
+    if HV == H:
+        return dx
+    return dx.view(1, T_, H, HV // H, D).sum(3)
+
+
 # beta / initial-state dtypes the launchers take (float64 goes in as fp32)
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -22,6 +33,9 @@ KERNELS = KernelSet(
     l2norm_fwd=l2norm.l2norm_fwd,
     prepare_fwd=prepare.prepare_fwd,
     chunk_fwd=fused_fwd.chunk_fwd,
+    state_recompute=Stage(fused_fwd.state_recompute, head_dims=chunk_bwd.HEAD_DIMS),   # for chunk_bwd only
+    chunk_bwd=Stage(chunk_bwd.chunk_bwd, head_dims=chunk_bwd.HEAD_DIMS),
+    group_sum=Stage(group_sum, head_dims=ANY),
     prepare_bwd=Stage(prepare_bwd.prepare_bwd, head_dims=ANY),     # per value head and token: any K, V
 )
 
@@ -41,7 +55,19 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
     return out
 
 
-def backward_builds(heads: Iterable[tuple]) -> list:
+def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
+                    h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
+                    state_v_first: tuple = (False,)) -> list:
     """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
-    `KERNELS` in `stages.BACKWARD` that the forward does not run)."""
-    return [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]
+    `KERNELS` in `stages.BACKWARD` that the forward does not run), options as in `forward_builds`; none for the
+    state recompute and chunk_bwd where their head dims are not supported (they run on the portable path)."""
+    K, V = head_dim
+    out = []
+    for H, HV in heads:
+        if (K, V) in chunk_bwd.HEAD_DIMS:
+            out += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, initial_state,
+                                                    state_v_first)
+            # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
+            out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, fused_fwd.states_dtype(dtype), scale,
+                                             (True,), state_v_first)
+    return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]

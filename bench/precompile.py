@@ -6,7 +6,8 @@ loads kernels instead of compiling them (~3-8 s of device time each):
 
 --tests: every kernel build the GPU tier launches (tests/_builds.py `gpu_tier`, from the case tables in
 tests/cases.py: the stage tests, with the builds they ask for through launcher arguments, and the public-API tests);
---grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0).
+--grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0);
+--bwd-grid: the same with the backward's kernels for the backward grid's six head configs.
 Timeline recordings (bench/dev/timeline.py) build their instrumented kernels on the GPU machine: the buffer address
 is part of the build.
 """
@@ -21,6 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 GRID_HEADS = ("2/8", "4/16", "8/32", "16/64", "16/32", "8/24", "16/48", "16/16")
+BWD_HEADS = ("16/32", "8/16", "4/8", "2/4", "16/64", "16/16")
 
 
 def tests():
@@ -37,12 +39,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tests", action="store_true")
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--bwd-grid", action="store_true", help="the backward grid's heads, forward and backward kernels")
     a = ap.parse_args()
     if not os.environ.get("TILELANG_CACHE_DIR"):
         sys.exit("set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried")
     if a.grid:
         heads = [x for h in GRID_HEADS for x in ("--heads", h)]
         subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32"], check=True)
+    if a.bwd_grid:
+        heads = [x for h in BWD_HEADS for x in ("--heads", h)]
+        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32", "--backward"],
+                       check=True)
     if a.tests:
         tests()
 

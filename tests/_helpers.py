@@ -122,7 +122,7 @@ def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0
 def divergent_syncs(src: str) -> list[int]:
     """Line numbers of generated CUDA where `__syncthreads()` sits under an `if` (or its `else`) whose condition
     reads threadIdx: a hang when the threads split. TileLang's sync insertion put one inside a thread-dependent
-    branch of a prepare variant, which hung on the GPU (NOTES-gpu.md, session 3)."""
+    branch of a prepare variant, which hung on the GPU (docs/dev/prepare.md)."""
     bad, stack, sibling = [], [], False      # stack: per open block, (thread-dependent so far, its own condition)
     for n, line in enumerate(src.splitlines(), 1):
         code = line.strip()

@@ -3,7 +3,7 @@
 # only if every test file passed and GRID_MIN_S of the call is left), `flashdelta check` with and without l2norm,
 # and the cold start. Logs under $OUT; the device returns only a few files, so the test logs come back as one.
 #   source .device/bootstrap.sh; source bench/dev/tlcache.sh unpack
-#   FLASHDELTA_COMMIT=<sha> [GRID=1] [COLDSTART=0] bash bench/dev/gpu_session.sh
+#   FLASHDELTA_COMMIT=<sha> [GRID=1 | BENCH=0] [COLDSTART=0] bash bench/dev/gpu_session.sh
 # Every step has its own timeout and runs unbuffered, so a step killed at its limit keeps what it printed.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,8 +26,10 @@ for f in $L/test_*.log; do
   case "$last" in *failed*|*error*) passed=0 ;; *passed*) ;; *) passed=0 ;; esac
 done
 echo "phase 1 (tests) done at $(( $(date +%s) - t0 )) s"
-# phase 2: the benchmark
-if [ "${GRID:-0}" = 1 ]; then
+# phase 2: the benchmark (BENCH=0 skips it)
+if [ "${BENCH:-1}" = 0 ]; then
+  echo "bench skipped (BENCH=0)"
+elif [ "${GRID:-0}" = 1 ]; then
   if [ "$passed" = 1 ] && [ "$(left)" -ge "${GRID_MIN_S:-400}" ]; then
     MAX_S=$(( $(left) - 60 )) bash bench/dev/grid.sh all 2>&1 | tail -n 4
   else

@@ -225,8 +225,10 @@ def chunk_gated_delta_rule(
 
 
 def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, scale=None,
-           initial_state=(False, True), state_v_first=(False,), num_sms=None, progress=True) -> float:
-    """Compile the SM90 forward kernels for the given layer shapes into TileLang's persistent cache.
+           initial_state=(False, True), state_v_first=(False,), num_sms=None, backward=False,
+           progress=True) -> float:
+    """Compile the SM90 kernels of the given layer shapes into TileLang's persistent cache: the forward's, and with
+    ``backward=True`` the backward's too (training).
 
     Args:
         heads: iterable of ``(H, HV)`` pairs, e.g. ``[(16, 64)]``.
@@ -240,4 +242,4 @@ def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch
 
     return _warmup(list(heads), head_dim=tuple(head_dim), dtype=dtype, beta_dtype=beta_dtype, scale=scale,
                    initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), num_sms=num_sms,
-                   progress=progress)
+                   backward=bool(backward), progress=progress)

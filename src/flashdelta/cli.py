@@ -213,7 +213,7 @@ def warmup(args) -> int:
         return 1
     opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
                 beta_dtype=args.beta_dtype, scale=args.scale,
-                state_v_first=(args.state_v_first,), num_sms=args.num_sms)
+                state_v_first=(args.state_v_first,), num_sms=args.num_sms, backward=args.backward)
     try:
         todo = variants(args.heads, **opts)
     except (TypeError, ValueError) as e:
@@ -280,6 +280,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="beta dtype (default: fp32)")
     w.add_argument("--scale", type=float, default=None, help="output scale (default: K ** -0.5)")
     w.add_argument("--state-v-first", action="store_true", help="states laid out [N, HV, V, K] (state_v_first=True)")
+    w.add_argument("--backward", action="store_true", help="also the backward's kernels (for training)")
     w.add_argument("--num-sms", type=int, default=None,
                    help="SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200)")
     w.set_defaults(func=warmup)

@@ -33,7 +33,7 @@ def main():
             seqlens = shapes.parse_seqlens(sl)
             inp = providers.make_inputs(seqlens, h, hv, seed=0, requires_grad=True)
             q, k, v = inp.q.detach(), inp.k.detach(), inp.v.detach()
-            g, beta, h0, cu = inp.g.detach(), inp.beta.detach(), inp.h0.detach(), inp.cu_seqlens
+            g, beta, h0, cu = inp.g.detach(), inp.beta.detach(), inp.h0.detach(), inp.cu
             scale = q.shape[-1] ** -0.5
             g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
             hs = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu)

@@ -90,9 +90,9 @@ def test_sm90_forward_is_deterministic_and_graph_capturable(monkeypatch):
 
 
 def test_auto_backward_on_gpu(monkeypatch):
-    """Auto dispatch with gradients: the sm90 forward, and per stage in the backward: sm90 prepare_fwd and prepare_bwd,
-    the portable state_recompute, chunk_bwd and group_sum (fp32, said once in a warning), against the float64
-    recurrence."""
+    """Auto dispatch with gradients at V = 256, which the SM90 backward lacks: the sm90 forward, and per stage in the
+    backward: sm90 prepare_fwd and prepare_bwd, the portable state_recompute and chunk_bwd (fp32, said once in a
+    warning), against the float64 recurrence."""
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)

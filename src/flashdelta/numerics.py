@@ -28,8 +28,10 @@ TOLS = {
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """`||out - ref|| / ||ref||` in float64 (0 when both are all-zero; inf when only ref is); NaN in out -> nan."""
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    """`||out - ref|| / ||ref||` in float64 (0 when both are all-zero; inf when only ref is); NaN in out -> nan.
+    Computed on out's device (a full-size comparison of GPU tensors moves nothing to the host)."""
+    out64 = out.detach().double()
+    ref64 = ref.detach().to(device=out64.device, dtype=torch.float64)
     den = ref64.norm().item()
     num = (out64 - ref64).norm().item()
     if den == 0.0:

@@ -159,33 +159,33 @@ class BwdCase:
 
 
 # Few distinct builds (the chunk_bwd kernel takes ~15 s to compile on the CPU tier): beta in the input dtype as the
-# end-to-end cases pass it, and (H, HV) shared with them where the case allows.
+# end-to-end cases pass it, and (H, HV) = 2/8 (the forward's end-to-end cases) unless the case needs other heads.
 BWD_CASES = [
-    BwdCase("edges-gva2-pad37", FWD_EDGES, H=2, HV=4, pad=37, beta_dtype=torch.bfloat16),
-    BwdCase("edges-gva2-fp16-nodht", FWD_EDGES, H=2, HV=4, pad=5, dtype=torch.float16, beta_dtype=torch.float16,
+    BwdCase("edges-gva4-pad37", FWD_EDGES, H=2, HV=8, pad=37, beta_dtype=torch.bfloat16),
+    BwdCase("edges-gva4-fp16-nodht", FWD_EDGES, H=2, HV=8, pad=5, dtype=torch.float16, beta_dtype=torch.float16,
             dht=False),
     BwdCase("gva3-hbf16", (300, 1, 129), H=2, HV=6, beta_dtype=torch.bfloat16, h_dtype=torch.bfloat16),
     BwdCase("gva4-vfirst", (300, 1, 129), H=2, HV=8, state_v_first=True, beta_dtype=torch.bfloat16),
     BwdCase("bench-gate", (2048, 700), H=2, HV=8, gate="bench", beta_dtype=torch.bfloat16),
-    BwdCase("zero-gate", (129, 64), H=2, HV=4, gate="zero", beta_dtype=torch.bfloat16),
+    BwdCase("zero-gate", (129, 64), H=2, HV=8, gate="zero", beta_dtype=torch.bfloat16),
     BwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9, beta_dtype=torch.bfloat16),
-    BwdCase("empty-only-pad10", (0,), H=2, HV=4, pad=10, beta_dtype=torch.bfloat16),
+    BwdCase("empty-only-pad10", (0,), H=2, HV=8, pad=10, beta_dtype=torch.bfloat16),
 ]
 BWD_DET = BWD_CASES[4]
 
 # the SM90 backward through the public API (tests/gpu/test_bwd.py), against float64 autograd of the recurrence
 BWD_E2E = [
-    Case("edges-gva2", FWD_EDGES, H=2, HV=4, K=128, V=128, pad=37),
+    Case("edges-gva4", FWD_EDGES, H=2, HV=8, K=128, V=128, pad=37),
     Case("dense-gva1-vfirst", (777, 777), H=4, HV=4, K=128, V=128, varlen=False, state_v_first=True),
     Case("gva3", (700, 1, 2000), H=2, HV=6, K=128, V=128, pad=5),
     Case("gva4-noh0-vfirst", (300, 1000), H=2, HV=8, K=128, V=128, h0=False, state_v_first=True),
-    Case("zero-gate", (300, 129), H=2, HV=4, K=128, V=128, gate="zero"),
+    Case("zero-gate", (300, 129), H=2, HV=8, K=128, V=128, gate="zero"),
     Case("k64", (500, 3), H=2, HV=4, K=64, V=64),
 ]
 # (case, dtype, use_qk_l2norm_in_kernel)
 BWD_E2E_PAIRS = [(c, torch.bfloat16, False) for c in BWD_E2E] + [(BWD_E2E[2], torch.bfloat16, True)]
 BWD_GRAPH = Case("bwd-graph", (3000, 1, 5000), H=2, HV=8, K=128, V=128, pad=11)
 # dense [B, T] with two lengths under torch.compile(dynamic=True) and torch.utils.checkpoint
-BWD_COMPILE = [Case("bwd-compile", (T, T), varlen=False, H=2, HV=4, K=128, V=128) for T in (640, 1000)]
+BWD_COMPILE = [Case("bwd-compile", (T, T), varlen=False, H=2, HV=8, K=128, V=128) for T in (640, 1000)]
 # the two-layer model: H, HV, K, V, T (bf16 with beta in bf16, l2norm in the kernel, no initial state)
-BWD_MODEL = Case("bwd-model", (512,), H=2, HV=4, K=128, V=128, h0=False)
+BWD_MODEL = Case("bwd-model", (512,), H=2, HV=8, K=128, V=128, h0=False)

@@ -51,8 +51,8 @@ def _stage_builds(forced: bool) -> dict:
     for c in cases.BWD_CASES:
         if (c.K, c.V) not in chunk_bwd.HEAD_DIMS:
             continue
-        for label, b, a in chunk_bwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.h_dtype,
-                                                     c.K ** -0.5, (c.dht,), (c.state_v_first,)):
+        for label, b, a in chunk_bwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.K ** -0.5,
+                                                     (c.dht,), (c.state_v_first,)):
             _add(out, f"{c.name}: {label}", b, a)
         for label, b, a in fused_fwd.state_recompute_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, torch.float32,
                                                             (c.h0,), (c.state_v_first,)):

@@ -46,8 +46,8 @@ LOG2E = 1.4426950408889634
 
 
 @_tl.jit()
-def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h_dtype: str, scale: float,
-                     has_dht: bool, state_v_first: bool):
+def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
+          state_v_first: bool):
     """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic."""
     # problem config
     G = HV // H
@@ -83,7 +83,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h_dtype:
         g: T.Tensor((1, T_, HV), acc),
         beta: T.Tensor((1, T_, HV), beta_dtype),
         A: T.Tensor((1, T_, HV, BT), dtype),
-        h: T.Tensor((S_, HV, V, K), h_dtype),
+        h: T.Tensor((S_, HV, V, K), acc),
         do: T.Tensor((1, T_, HV, V), dtype),
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
@@ -340,19 +340,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h_dtype:
     return chunk_bwd_kernel
 
 
-def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                 h_dtype: torch.dtype, scale: float, has_dht: bool, state_v_first: bool) -> tuple:
+def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
+                 has_dht: bool, state_v_first: bool) -> tuple:
     """The `build` arguments (its compile-cache key) for one call."""
-    return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], _tl.TL_DTYPE[h_dtype], float(scale),
-            bool(has_dht), bool(state_v_first))
+    return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale), bool(has_dht),
+            bool(state_v_first))
 
 
-def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                    h_dtype: torch.dtype, scale: float, dht=(False, True), state_v_first=(False,)) -> list:
+def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
+                    dht=(False, True), state_v_first=(False,)) -> list:
     """(label, builder, args) of every kernel `chunk_bwd` launches for these heads, dims and dtypes, with and without
     a final-state gradient, in the given state layouts."""
     return [(f"chunk_bwd H={H} HV={HV} K={K} V={V} dht={has_dht} v_first={vfirst}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, h_dtype, scale, has_dht, vfirst))
+             builder_args(H, HV, K, V, dtype, beta_dtype, scale, has_dht, vfirst))
             for has_dht in dht for vfirst in state_v_first]
 
 
@@ -362,8 +362,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; v, do: ``[1, T, HV, V]`` (do is cast to v's dtype); (K, V) in `HEAD_DIMS`.
         g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
-        h: ``[slots, HV, V, K]`` (fp32, or q's dtype): the transposed state entering each chunk slot, from this
-            backend's `state_recompute`.
+        h: ``[slots, HV, V, K]`` fp32: the transposed state entering each chunk slot, from this backend's
+            `state_recompute`.
         dht: gradient of the final state, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) fp32, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
@@ -377,7 +377,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     N = cu_seqlens.shape[0] - 1
     assert chunk_size == BT and (K, V) in HEAD_DIMS and HV % H == 0
     assert q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
-    assert g_cumsum.dtype == torch.float32 and h.shape[1:] == (HV, V, K)
+    assert g_cumsum.dtype == torch.float32 and h.dtype == torch.float32 and h.shape[1:] == (HV, V, K)
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dq = _tl.alloc((1, T_, HV, K), torch.float32, dev)
@@ -394,7 +394,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
         return dq, dk, dv, dbeta, dG, dh0
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     dht_in = dht.float().contiguous() if dht is not None else dh0
-    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h.dtype, scale, dht is not None, state_v_first)
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, scale, dht is not None, state_v_first)
     kernel = build(*args)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
            A.to(q.dtype).contiguous(), h.contiguous(), do.to(v.dtype).contiguous(), dht_in, cu_seqlens,

@@ -54,8 +54,6 @@ BV = 64
 DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, o
 
 LOG2E = 1.4426950408889634
-# dtype of the per-chunk states `state_recompute` writes for the backward (None: q's dtype)
-STATES_DTYPE = torch.float32
 
 TABLE = timeline.Table(
     "fused_fwd",
@@ -85,10 +83,10 @@ TABLE = timeline.Table(
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool, states_dtype: str = ""):
-    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. states_dtype (a
-    dtype name, or "" for none): also write the state entering every chunk, ``S0^T`` to ``hs [slots, HV, V, K]`` at
-    the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for the backward."""
+          has_initial_state: bool, state_v_first: bool, save_states: bool = False):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
+    write the state entering every chunk, ``S0^T`` in fp32 to ``hs [slots, HV, V, K]`` at the chunk's slot
+    (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for the backward."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -98,14 +96,14 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     NO = 2                          # o staging buffers
     NP = 3                          # buffers of the prep warpgroup's products: it runs up to two chunks ahead
     THREADS = 384
-    assert K in (64, 128) and V % BV == 0 and HV % H == 0 and states_dtype in ("", "float32", dtype)
+    assert K in (64, 128) and V % BV == 0 and HV % H == 0 
 
     O_LD = BV + 8   # o_s row length in elements (padded: conflict-free transposed writes)
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
-    # without states_dtype `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
-    hs_t = T.Tensor((T.dynamic("S"), HV, V, K), states_dtype) if states_dtype else None
+    # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
+    hs_t = T.Tensor((T.dynamic("S"), HV, V, K), acc) if save_states else None
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
@@ -130,14 +128,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot, i_hv, v0):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
-        # is pending; on exit the Y Ae^T group is pending. With states_dtype S0^T also goes to hs[slot].
-        if states_dtype == "float32":
+        # is pending; on exit the Y Ae^T group is pending. With save_states S0^T also goes to hs[slot].
+        if save_states:
             for i, j in T.Parallel(BV, K):
                 hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = s_f[i, j]
         T.copy(s_f, sb_f)
-        if states_dtype == dtype:
-            for i, j in T.Parallel(BV, K):
-                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = sb_f[i, j]
         T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
@@ -315,7 +310,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
                 n64 = T.cast(i_n, "int64")
-                slot0 = bos // BT + i_n           # chunk slot of the first chunk (states_dtype)
+                slot0 = bos // BT + i_n           # chunk slot of the first chunk (save_states)
 
                 if tx < 128:
                     # ================= state warpgroup =================
@@ -439,11 +434,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     return chunk_fwd_kernel
 
 
-def states_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the per-chunk states `state_recompute` writes for inputs of `dtype` (`STATES_DTYPE`)."""
-    return STATES_DTYPE or dtype
-
-
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                  h0_dtype: torch.dtype, scale: float, has_initial_state: bool, state_v_first: bool) -> tuple:
     """The `build` arguments (its compile-cache key) for one call."""
@@ -463,9 +453,8 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dt
 def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                            h0_dtype: torch.dtype, initial_state=(False, True), state_v_first=(False,)) -> list:
     """(label, builder, args) of every kernel `state_recompute` launches (the fused forward writing its states)."""
-    sd = _tl.TL_DTYPE[states_dtype(dtype)]
     return [(f"state_recompute H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, 1.0, has_h0, vfirst) + (sd,))
+             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, 1.0, has_h0, vfirst) + (True,))
             for has_h0 in initial_state for vfirst in state_v_first]
 
 
@@ -486,23 +475,23 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
     o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                       state_v_first=state_v_first, chunk_size=chunk_size, states_dtype=None)
+                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False)
     return o, ht
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
     """The state entering every chunk, for `chunk_bwd` (docs/stages.md `state_recompute`; the SM90 layout is private
-    to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` in `STATES_DTYPE`, the transposed state ``S0^T`` of
+    to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` fp32, the transposed state ``S0^T`` of
     chunk c of sequence n at slot ``cu_seqlens[n] // BT + n + c`` (slots no chunk owns are not written). Runs the
     fused forward with its state output on (o is computed with k in q's place and dropped)."""
     _, h, _ = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
-                      chunk_size=chunk_size, states_dtype=states_dtype(k.dtype))
+                      chunk_size=chunk_size, save_states=True)
     return h
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            states_dtype):
-    """Both launchers' body: (o, ht, None), or (o, hs, ht) with states_dtype."""
+            save_states):
+    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -516,8 +505,8 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
     hs = None
-    if states_dtype is not None:
-        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), states_dtype, dev)
+    if save_states:
+        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), torch.float32, dev)
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()
@@ -532,5 +521,5 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     if hs is None:
         build(*args)(*tensors)
         return o, ht, None
-    build(*args, _tl.TL_DTYPE[states_dtype])(*tensors, hs)
+    build(*args, True)(*tensors, hs)
     return o, hs, ht

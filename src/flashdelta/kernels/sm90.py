@@ -68,6 +68,5 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
             out += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, initial_state,
                                                     state_v_first)
             # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
-            out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, fused_fwd.states_dtype(dtype), scale,
-                                             (True,), state_v_first)
+            out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
     return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]

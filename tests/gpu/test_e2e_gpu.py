@@ -4,7 +4,8 @@ auto-dispatched backward."""
 import pytest
 import torch
 from _helpers import assert_close, make_inputs
-from cases import E2E_BWD, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS, E2E_SCALE_FP64
+from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS,
+                   E2E_SCALE_FP64)
 
 from flashdelta import autograd, chunk_gated_delta_rule, portable
 from flashdelta.reference.chunked import chunked_fwd
@@ -136,3 +137,21 @@ def test_sm90_gate_floor(monkeypatch):
     o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
     assert_close("o", o, o_ref)
     assert_close("ht", ht, ht_ref)
+
+
+def test_sm90_varlen_under_inference_mode(monkeypatch):
+    """Serving engines run under torch.inference_mode(): varlen calls on the sm90 backend with a CUDA cu_seqlens
+    created there (no version counter), with and without its host copy, give the no_grad results."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    case = E2E_CASES[1]
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        o_ref, ht_ref = chunk_gated_delta_rule(**x, output_final_state=True)
+    with torch.inference_mode():
+        cu = x["cu_seqlens"].clone()
+        assert cu.is_inference()
+        y = dict(x, cu_seqlens=cu)
+        o1, ht1 = chunk_gated_delta_rule(**y, output_final_state=True)
+        o2, ht2 = chunk_gated_delta_rule(**y, output_final_state=True, cu_seqlens_cpu=cu.cpu())
+    for o, ht in ((o1, ht1), (o2, ht2)):
+        assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)

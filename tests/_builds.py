@@ -48,7 +48,7 @@ def _stage_builds(forced: bool) -> dict:
             for hpc in prepare.heads_per_cta_options(c.H, c.HV):
                 a = prepare_oneshot.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                 _add(out, f"{c.name}: prepare_fwd heads/CTA={hpc}", prepare_oneshot.build, a)
-    for c in cases.BWD_CASES:
+    for c in cases.BWD_CASES + [cases.BWD_MANY_SEQS, cases.BWD_BIG]:
         if (c.K, c.V) not in chunk_bwd.HEAD_DIMS:
             continue
         for label, b, a in chunk_bwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.K ** -0.5,

@@ -171,6 +171,10 @@ BWD_CASES = [
     BwdCase("empty-only-pad10", (0,), H=2, HV=8, pad=10, beta_dtype=torch.bfloat16),
 ]
 BWD_DET = BWD_CASES[4]
+# more than 65,535 sequences, and offsets past 2^31 elements (inputs built in the tests; 2/8 shares the builds above)
+BWD_MANY_SEQS = BwdCase("bwd-70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 5), H=2, HV=8,
+                        beta_dtype=torch.bfloat16)
+BWD_BIG = BwdCase("bwd-2^31", (), H=2, HV=8, beta_dtype=torch.bfloat16)
 
 # the SM90 backward through the public API (tests/gpu/test_bwd.py), against float64 autograd of the recurrence
 BWD_E2E = [

@@ -120,6 +120,87 @@ def test_chunk_bwd_deterministic():
     assert all(torch.equal(s, t) for s, t in zip(a, b))
 
 
+def _sm90_chain(q, k, v, g, beta, h0, do, dht, cu, scale):
+    """The SM90 backward's stages on flat inputs: prepare, state recompute, chunk_bwd (dq, dk per value head)."""
+    from flashdelta.kernels import fused_fwd, prepare
+
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    hs = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu)
+    return cb.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
+
+
+def _random_inputs(T, N, case, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q = torch.nn.functional.normalize(randn(1, T, case.H, case.K), dim=-1).to(case.dtype)
+    k = torch.nn.functional.normalize(randn(1, T, case.H, case.K), dim=-1).to(case.dtype)
+    v = randn(1, T, case.HV, case.V).to(case.dtype)
+    g = torch.nn.functional.logsigmoid(randn(1, T, case.HV)) / 16
+    beta = torch.sigmoid(randn(1, T, case.HV)).to(case.beta_dtype)
+    h0 = randn(N, case.HV, case.K, case.V)
+    do = randn(1, T, case.HV, case.V).to(case.dtype)
+    dht = randn(N, case.HV, case.K, case.V)
+    return q, k, v, g, beta, h0, do, dht
+
+
+def _sub(xs, tok, pick):
+    """The inputs of the sequences `pick` alone (tokens `tok`), in `_random_inputs` order."""
+    q, k, v, g, beta, h0, do, dht = xs
+    return (q[:, tok].contiguous(), k[:, tok].contiguous(), v[:, tok].contiguous(), g[:, tok].contiguous(),
+            beta[:, tok].contiguous(), h0[pick].contiguous(), do[:, tok].contiguous(), dht[pick].contiguous())
+
+
+def test_chunk_bwd_many_sequences():
+    """70k sequences (more than a grid y/z dimension holds): the full launch's gradients of a sample of sequences (the
+    first 50 and every 7th past index 65,529) equal, bit for bit, the chain run on the sample alone, and that run
+    matches the float64 reference."""
+    case = cases.BWD_MANY_SEQS
+    cu = [0]
+    for n in case.seqlens:
+        cu.append(cu[-1] + n)
+    T, N = cu[-1], len(case.seqlens)
+    xs = _random_inputs(T, N, case, seed=11)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    scale = case.K ** -0.5
+    full = _sm90_chain(*xs, cu_t, scale)
+    assert all(torch.isfinite(t).all() for t in full)
+    pick = list(range(50)) + list(range(65530, N, 7))
+    tok = torch.cat([torch.arange(cu[n], cu[n + 1]) for n in pick]).to("cuda")
+    sub_cu = torch.tensor([0] + [cu[n + 1] - cu[n] for n in pick], device="cuda").cumsum(0).to(torch.int32)
+    sub = _sub(xs, tok, pick)
+    part = _sm90_chain(*sub, sub_cu, scale)
+    for name, a, b in zip(NAMES, full, part):
+        want = a[pick] if name == "dh0" else a[:, tok]
+        assert torch.equal(want, b), f"{name}: the full launch differs from the sample's own"
+    q, k, v, g, beta, h0, do, dht = sub
+    g_cumsum, A = ref.prepare_fwd(k, g, beta, sub_cu)
+    h = ref.state_recompute(k, v, g_cumsum, beta, A, h0, sub_cu)
+    want = ref.chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, sub_cu, scale=scale)
+    for name, a, r in zip(NAMES, part, want):
+        assert_close(name, a, r)
+
+
+def test_chunk_bwd_offsets_past_2_31_elements():
+    """A sequence whose dq/dk rows start at element 2^31 ([1, T, HV, K] fp32) and whose states sit past 2^31 elements
+    of h: its gradients from the big launch equal, bit for bit, a launch on that sequence alone."""
+    case = cases.BWD_BIG
+    T0 = 2 ** 31 // (case.HV * case.K)       # sequence 1 starts exactly at dq element 2^31
+    T1 = 3000
+    xs = _random_inputs(T0 + T1, 2, case, seed=13)
+    cu = torch.tensor([0, T0, T0 + T1], dtype=torch.int32, device="cuda")
+    scale = case.K ** -0.5
+    big = _sm90_chain(*xs, cu, scale)
+    assert big[0].numel() > 2 ** 31
+    tok = torch.arange(T0, T0 + T1, device="cuda")
+    one = _sm90_chain(*_sub(xs, tok, [1]), torch.tensor([0, T1], dtype=torch.int32, device="cuda"), scale)
+    for name, a, b in zip(NAMES, big, one):
+        assert torch.equal(a[1:] if name == "dh0" else a[:, T0:], b), f"{name}: offsets past 2^31 elements"
+    assert all(torch.isfinite(t[:, :T0]).all() for t in big[:5])
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 
 def _grads(x, o, ht, do, dht):

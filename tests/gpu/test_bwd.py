@@ -247,7 +247,7 @@ def test_sm90_backward_matches_recurrence(case, dtype, l2norm, monkeypatch):
 
 def test_sm90_backward_deterministic_and_graph_capturable(monkeypatch):
     """Forward + backward twice: bitwise equal gradients; then the whole step captured in one CUDA graph (no host
-    synchronisation) and replayed on new inputs of the same shapes."""
+    synchronisation) and replayed on new inputs of the same shapes, then with new sequence lengths."""
     from flashdelta import chunk_gated_delta_rule
 
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
@@ -275,6 +275,12 @@ def test_sm90_backward_deterministic_and_graph_capturable(monkeypatch):
     with torch.no_grad():
         for n in GRAD_INPUTS:
             x[n].copy_(x2[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
+    # new sequence lengths within the captured bounds (same T and N): the kernels read cu_seqlens on the device
+    cu = x["cu_seqlens"]
+    cu.copy_(torch.tensor([0, 100, 4000, int(cu[-1])], dtype=cu.dtype, device=cu.device))
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 from typing import Optional
 
@@ -16,6 +17,7 @@ from torch.autograd import forward_ad
 
 from .autograd import forward
 from .dispatch import UnsupportedError
+from .gates import beta_sigmoid, gdn_gate
 
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -55,10 +57,35 @@ def _can_read_values(x: Tensor) -> bool:
     return True
 
 
-# The last cu_seqlens whose values were read from the device and validated: (weak reference, version counter, T).
-# Every layer of a model call passes the same tensor, so only the first pays the device-to-host copy. Inference
-# tensors have no version counter (an in-place change could not be seen), so they are never cached.
-_validated: list = [None]
+# Index tensors whose values were read from the device and validated: name -> (weak reference, version counter,
+# key, host copy). Every layer of a model call passes the same tensors, so only the first pays the device-to-host
+# copy. Inference tensors have no version counter (an in-place change could not be seen), so they are never cached.
+_validated: dict = {}
+
+
+def _read_validated(name: str, x: Tensor, key, check) -> Tensor:
+    """The values of `x` as a CPU tensor, passed through `check(host)`: one device-to-host copy, skipped when this same
+    tensor, unchanged since (same version counter), passed the check under an equal `key` on an earlier call (never
+    for an inference tensor). `key` is compared with `==`, or `torch.equal` for tensors."""
+    if x.is_inference():
+        host = x.cpu()
+        check(host)
+        return host
+    last = _validated.get(name)
+    if last is not None and last[0]() is x and last[1] == x._version and _same_key(last[2], key):
+        return last[3]
+    host = x.cpu()
+    check(host)
+    _validated[name] = (weakref.ref(x), x._version, key, host.clone() if host is x else host)
+    return host
+
+
+def _same_key(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_key(x, y) for x, y in zip(a, b))
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
 
 
 def _check_cu_values(host: Tensor, T: int, name: str) -> None:
@@ -74,21 +101,9 @@ def _check_cu_values(host: Tensor, T: int, name: str) -> None:
         raise ValueError(f"{name}[-1]={host[-1].item()} exceeds the token count T={T} of q")
 
 
-def _check_cu_device_values(cu: Tensor, T: int) -> None:
-    """Validate cu_seqlens from a host copy of it: one device-to-host copy, skipped when this same tensor, unchanged
-    since (same version counter), passed the check for the same T on the previous call (never for an inference
-    tensor)."""
-    if cu.is_inference():
-        _check_cu_values(cu.cpu(), T, "cu_seqlens")
-        return
-    last = _validated[0]
-    if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == T:
-        return
-    _check_cu_values(cu.cpu(), T, "cu_seqlens")
-    _validated[0] = (weakref.ref(cu), cu._version, T)
-
-
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.device) -> None:
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.device) -> Optional[Tensor]:
+    """Validate cu_seqlens (and its host copy); returns its values on the host (from cu_seqlens_cpu, the cache, or one
+    device-to-host copy), or None where they cannot be read (inside torch.compile or a CUDA-graph capture)."""
     cu = _tensor("cu_seqlens", cu_seqlens, 1)
     if cu.dtype not in _INDEX_DTYPES:
         raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
@@ -100,9 +115,9 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.
     if cu.device != device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
     if cu_seqlens_cpu is None:
-        if _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
-            _check_cu_device_values(cu, T)
-        return
+        if not _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
+            return None
+        return _read_validated("cu_seqlens", cu, T, lambda host: _check_cu_values(host, T, "cu_seqlens"))
     host = _tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1)
     if host.dtype not in _INDEX_DTYPES:
         raise TypeError(f"cu_seqlens_cpu has dtype {host.dtype}; expected torch.int32 or torch.int64")
@@ -110,8 +125,52 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.
         raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu.shape)}, got {tuple(host.shape)}")
     if host.device.type != "cpu":
         raise ValueError(f"cu_seqlens_cpu must be on the CPU (the host copy of cu_seqlens), got {host.device}")
-    if _can_read_values(host):  # a host tensor: readable under CUDA-graph capture too, not inside torch.compile
-        _check_cu_values(host, T, "cu_seqlens_cpu")
+    if not _can_read_values(host):  # a host tensor: readable under CUDA-graph capture too, not inside torch.compile
+        return None
+    _check_cu_values(host, T, "cu_seqlens_cpu")
+    return host
+
+
+def chunk_indices_of(cu_host: Tensor, chunk_size: int) -> Tensor:
+    """FLA's ``chunk_indices`` of a varlen batch: one ``(sequence, chunk within the sequence)`` row per chunk of
+    `chunk_size` tokens, in order (``[NT, 2]`` int64, on the host)."""
+    cu_host = cu_host.to(torch.int64)
+    counts = (cu_host[1:] - cu_host[:-1] + chunk_size - 1) // chunk_size
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.stack([seq, torch.arange(seq.shape[0]) - first], 1)
+
+
+def _check_chunk_indices(chunk_indices, cu: Tensor, cu_host: Optional[Tensor], chunk_size: int) -> None:
+    """chunk_indices must be the chunk list of cu_seqlens at `chunk_size` (flashdelta derives its own chunking, so
+    this only catches a caller's stale or mismatched tensor). Its row count is checked whenever cu_seqlens' host
+    values are known; its values with one read of it (cached like cu_seqlens') where it can be read."""
+    ci = _tensor("chunk_indices", chunk_indices, 2)
+    if ci.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"chunk_indices has dtype {ci.dtype}; expected torch.int32 or torch.int64")
+    if ci.shape[1] != 2:
+        raise ValueError(f"chunk_indices must be [NT, 2] (sequence, chunk within it) rows, got shape "
+                         f"{tuple(ci.shape)}")
+    if ci.device != cu.device:
+        raise ValueError(f"chunk_indices is on {ci.device} but cu_seqlens is on {cu.device}")
+    if cu_host is None:
+        return
+    want = chunk_indices_of(cu_host, chunk_size)
+    if ci.shape[0] != want.shape[0]:
+        raise ValueError(f"chunk_indices has {ci.shape[0]} rows, but cu_seqlens has NT={want.shape[0]} chunks of "
+                         f"chunk_size={chunk_size} tokens; pass the chunk_indices of this cu_seqlens (or None)")
+    if not _can_read_values(ci):
+        return
+
+    def check(host: Tensor) -> None:
+        bad = (host.to(torch.int64) != want).any(1)
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"chunk_indices[{i}]={host[i].tolist()} does not match cu_seqlens at "
+                             f"chunk_size={chunk_size}, which gives {want[i].tolist()}; pass the chunk_indices of "
+                             f"this cu_seqlens (or None)")
+
+    _read_validated("chunk_indices", ci, (cu_host, chunk_size), check)
 
 
 def chunk_gated_delta_rule(
@@ -124,12 +183,23 @@ def chunk_gated_delta_rule(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
-    *,
-    cu_seqlens_cpu: Optional[Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+    chunk_indices: Optional[Tensor] = None,
+    cp_context=None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    chunk_size: int = 64,
+    transpose_state_layout: Optional[bool] = None,
+    head_first=None,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Gated DeltaNet, chunked: the FLA-compatible drop-in.
+    """Gated DeltaNet, chunked: the drop-in for FLA 0.6.0's ``chunk_gated_delta_rule`` (same names, positional
+    order and defaults; FLA's keyword arguments are keyword-only here, and an unknown keyword raises TypeError).
 
     Per sequence and value head, token by token (state S is [K, V], float32)::
 
@@ -140,14 +210,20 @@ def chunk_gated_delta_rule(
         k: ``[B, T, H, K]``, same dtype as q: keys.
         v: ``[B, T, HV, V]``, same dtype as q: values. ``HV % H == 0``; value head i uses key head
             ``i // (HV // H)`` (GVA).
-        g: ``[B, T, HV]`` float (computed in fp32): per-token log decay (<= 0), natural log.
-        beta: ``[B, T, HV]`` float: write strength.
+        g: ``[B, T, HV]`` float (computed in fp32): per-token log decay (<= 0), natural log; with
+            ``use_gate_in_kernel``, the raw gate before its activation.
+        beta: ``[B, T, HV]`` float: write strength; with ``use_beta_sigmoid_in_kernel``, its logits.
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) float; N = B, or the number
             of sequences with ``cu_seqlens``. None means zeros.
         output_final_state: return the final state ``[N, HV, K, V]`` fp32 (float64 for float64 inputs),
             in the layout of initial_state.
         use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
+        use_beta_sigmoid_in_kernel: beta holds logits; the operator uses ``sigmoid(beta)`` (fp32), and the
+            gradient flows to the logits.
+        allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, use ``2 * sigmoid(beta)`` (in ``(0, 2)``). Without it,
+            ValueError (as FLA).
+        state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries for varlen input (B must be 1), FlashAttention
             convention. Tokens past ``cu_seqlens[-1]`` are padding: zero output and gradient. Its values are
             checked on the host: without ``cu_seqlens_cpu``, the first call with each new cu_seqlens tensor costs
@@ -156,12 +232,84 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu: ``[N + 1]`` int32/int64 CPU tensor, a host copy of cu_seqlens (FLA's name): the values are
             validated from it, so no device-to-host copy happens. It must hold cu_seqlens' values (not checked
             against the device tensor, which would cost the copy it saves).
-        state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
+        chunk_indices: FLA's ``[NT, 2]`` int32/int64 ``(sequence, chunk within the sequence)`` rows of cu_seqlens
+            at ``chunk_size``, on cu_seqlens' device. Not needed: flashdelta derives its chunking on the device. When
+            given, it is checked against cu_seqlens (its row count from cu_seqlens' host values; its values with one
+            read of it, cached like cu_seqlens'), so a stale one raises ValueError instead of passing silently.
+        cp_context: FLA's context-parallel context (``FLACPContext``). Not supported: anything but None raises
+            `UnsupportedError` (context parallelism across GPUs is not implemented yet).
+        use_gate_in_kernel: g is the raw gate; the operator uses ``g = -exp(A_log) * softplus(g + dt_bias)``,
+            computed in fp32 before the kernels (`flashdelta.gates.gdn_gate`); gradients flow to the raw g,
+            A_log and dt_bias.
+        A_log: ``[HV]`` float, required with ``use_gate_in_kernel`` (ignored without it, as in FLA).
+        dt_bias: ``[HV]`` float or None, added to g before the softplus with ``use_gate_in_kernel`` (ignored
+            without it).
+        chunk_size: FLA's chunk length, 16, 32 or 64 (others raise ValueError, as FLA). The result does not
+            depend on it: flashdelta always computes in chunks of 64 tokens.
+        transpose_state_layout: FLA's deprecated name of state_v_first: DeprecationWarning, same result; with
+            ``state_v_first=True`` as well, ValueError (as FLA).
+        head_first: removed in FLA; passing it raises FLA's error (``DeprecationWarning`` raised as an exception).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.
-        Differentiable w.r.t. q, k, v, g, beta and initial_state.
+        Differentiable w.r.t. q, k, v, g, beta and initial_state (and A_log, dt_bias with
+        ``use_gate_in_kernel``).
     """
+    if head_first is not None:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=2)
+        state_v_first = transpose_state_layout
+    if cp_context is not None:
+        raise UnsupportedError("cp_context: context parallelism across GPUs (FLA's FLACPContext) is not supported "
+                               "by flashdelta yet; pass cp_context=None (one GPU per sequence batch)")
+    if isinstance(chunk_size, bool) or chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
+    chunk_size = int(chunk_size)
+    q, k, v, g, beta, B, T, H, K, HV, V = _check_qkv_g_beta(q, k, v, g, beta)
+    _check_devices(q, k, v, g, beta, initial_state)
+    scale = _check_scale(scale, K)
+    output_final_state = _flag("output_final_state", output_final_state)
+    use_qk_l2norm_in_kernel = _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    state_v_first = _flag("state_v_first", state_v_first)
+    use_gate_in_kernel = _flag("use_gate_in_kernel", use_gate_in_kernel)
+    use_beta_sigmoid_in_kernel, allow_neg_eigval = _check_beta_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if use_gate_in_kernel:
+        _check_gate_params(A_log, dt_bias, HV, q.device)
+
+    if cu_seqlens is not None:
+        cu_host = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
+        if chunk_indices is not None:
+            _check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens; pass both (cu_seqlens_cpu is its host copy)")
+    elif chunk_indices is not None:
+        raise ValueError("chunk_indices is given without cu_seqlens; it describes varlen input (pass both, or "
+                         "neither)")
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _check_state("initial_state", initial_state, N, HV, K, V, state_v_first)
+
+    params = (A_log, dt_bias) if use_gate_in_kernel else ()
+    _no_forward_ad("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, *params)
+    if use_gate_in_kernel:
+        g = gdn_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_sigmoid(beta, allow_neg_eigval)
+    need_bwd = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                             use_qk_l2norm_in_kernel, state_v_first, need_bwd)
+    return o, (final_state if output_final_state else None)
+
+
+chunk_gdn = chunk_gated_delta_rule
+
+
+def _check_qkv_g_beta(q, k, v, g, beta):
+    """The shared shape / dtype checks of q, k, v, g, beta; returns them with B, T, H, K, HV, V."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _tensor(name, x, 4)
         _float_dtype(name, x, _QKV_DTYPES)
@@ -177,51 +325,74 @@ def chunk_gated_delta_rule(
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if v.shape[:2] != q.shape[:2]:
         raise ValueError(f"v must be [B, T, HV, V] with q's B, T={tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    _check_heads(H, K, HV, V)
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, T, HV):
+            raise ValueError(f"{name} must be [B, T, HV]={(B, T, HV)}, got {tuple(x.shape)}")
+    return q, k, v, g, beta, B, T, H, K, HV, V
+
+
+def _check_heads(H: int, K: int, HV: int, V: int) -> None:
     if H == 0 or K == 0 or HV == 0 or V == 0:
         raise ValueError(f"head counts and head dims must be positive, got H={H}, K={K}, HV={HV}, V={V}")
     if HV % H != 0:
         raise ValueError(f"v has HV={HV} heads, which must be a multiple of q/k's H={H} heads (GVA)")
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, T, HV):
-            raise ValueError(f"{name} must be [B, T, HV]={(B, T, HV)}, got {tuple(x.shape)}")
-    devices = {x.device for x in (q, k, v, g, beta)}
-    if initial_state is not None and isinstance(initial_state, Tensor):
-        devices.add(initial_state.device)
+
+
+def _check_devices(*xs) -> None:
+    devices = {x.device for x in xs if isinstance(x, Tensor)}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def _check_scale(scale, K: int) -> float:
     if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
         raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
-    scale = float(scale)
-    output_final_state = _flag("output_final_state", output_final_state)
-    use_qk_l2norm_in_kernel = _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    state_v_first = _flag("state_v_first", state_v_first)
+    return float(scale)
 
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
-    elif cu_seqlens_cpu is not None:
-        raise ValueError("cu_seqlens_cpu is given without cu_seqlens; pass both (cu_seqlens_cpu is its host copy)")
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is not None:
-        _tensor("initial_state", initial_state, 4)
-        _float_dtype("initial_state", initial_state, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
-        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if tuple(initial_state.shape) != want:
-            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
-            raise ValueError(f"initial_state must be {layout}={want} (N={N} sequences), "
-                             f"got {tuple(initial_state.shape)}")
 
+def _check_beta_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval) -> tuple[bool, bool]:
+    use_beta_sigmoid_in_kernel = _flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+    allow_neg_eigval = _flag("allow_neg_eigval", allow_neg_eigval)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    return use_beta_sigmoid_in_kernel, allow_neg_eigval
+
+
+def _check_gate_params(A_log, dt_bias, HV: int, device: torch.device) -> None:
+    """A_log (required) and dt_bias (optional) of ``use_gate_in_kernel``: ``[HV]`` float tensors on q's device."""
+    if A_log is None:
+        raise ValueError("A_log must be provided when use_gate_in_kernel=True (the [HV] log decay rates)")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is None:
+            continue
+        _tensor(name, x, 1)
+        _float_dtype(name, x)
+        if x.shape[0] != HV:
+            raise ValueError(f"{name} must be [HV]=({HV},) (one value per value head), got {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; put all tensors on one device")
+
+
+def _check_state(name: str, state, N: int, HV: int, K: int, V: int, state_v_first: bool) -> None:
+    if state is None:
+        return
+    _tensor(name, state, 4)
+    _float_dtype(name, state, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+    want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if tuple(state.shape) != want:
+        layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+        raise ValueError(f"{name} must be {layout}={want} (N={N} sequences), got {tuple(state.shape)}")
+
+
+def _no_forward_ad(op: str, *xs) -> None:
     if forward_ad._current_level >= 0 and any(
-            x is not None and forward_ad.unpack_dual(x).tangent is not None for x in (q, k, v, g, beta, initial_state)):
+            x is not None and forward_ad.unpack_dual(x).tangent is not None for x in xs):
         # neither the kernels nor the custom op carry tangents: a jvp would silently come back without one
-        raise UnsupportedError("chunk_gated_delta_rule: forward-mode AD (dual tensors, jvp) is not supported; "
+        raise UnsupportedError(f"{op}: forward-mode AD (dual tensors, jvp) is not supported; "
                                "use reverse mode (backward / torch.autograd.grad)")
-    need_bwd = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                             use_qk_l2norm_in_kernel, state_v_first, need_bwd)
-    return o, (final_state if output_final_state else None)
 
 
 def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, scale=None,

@@ -200,7 +200,8 @@ def test_backward_returns_one_gradient_per_input():
 
 
 def test_public_exports():
-    assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule", "warmup"}
+    assert set(flashdelta.__all__) == {"UnsupportedError", "__version__", "chunk_gated_delta_rule", "chunk_gdn",
+                                       "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "warmup"}
 
 
 def test_cu_seqlens_values_revalidated_after_in_place_change():

@@ -17,7 +17,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, state_v_first=False):
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, state_v_first=False, gk=None,
+                               gv=None):
     """Reference GDN forward, token by token in float64.
 
     Same contract as the public ``chunk_gated_delta_rule`` (q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g, beta
@@ -27,6 +28,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
         S = exp(g_t) S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale S^T q_t
 
+    The options of the public ``fused_recurrent_gated_delta_rule`` are here too: g may be None (no decay), beta
+    ``[B,T,HV,V]`` (one strength per value channel), and the per-channel log decays ``gk [B,T,HV,K]`` (rows of S)
+    and ``gv [B,T,HV,V]`` (columns of S), applied after g.
+
     Returns ``(o [B,T,HV,V], final_state [N,HV,K,V] or None)``, both **float64** whatever the input dtype
     (this is the ground truth; gradients flow back to the inputs in their own dtypes).
     """
@@ -35,7 +40,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     if HV % H != 0:
         raise ValueError(f"v: HV={HV} must be a multiple of H={H}")
     f64 = torch.float64
-    q, k, v, g, beta = q.to(f64), k.to(f64), v.to(f64), g.to(f64), beta.to(f64)
+    q, k, v, beta = q.to(f64), k.to(f64), v.to(f64), beta.to(f64)
+    g, gk, gv = (None if x is None else x.to(f64) for x in (g, gk, gv))
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     rep = HV // H
@@ -68,10 +74,16 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         S = h0[n] if initial_state is not None else torch.zeros(HV, K, V, dtype=f64, device=q.device)
         outs = []
         for t in range(bos, eos):
-            S = torch.exp(g[b, t])[:, None, None] * S
+            if g is not None:
+                S = torch.exp(g[b, t])[:, None, None] * S
+            if gk is not None:
+                S = torch.exp(gk[b, t])[:, :, None] * S
+            if gv is not None:
+                S = torch.exp(gv[b, t])[:, None, :] * S
             kt = k[b, t]                                              # [HV, K]
             pred = torch.einsum("hkv,hk->hv", S, kt)
-            u = beta[b, t][:, None] * (v[b, t] - pred)               # [HV, V]
+            bt = beta[b, t] if beta.dim() == 4 else beta[b, t][:, None]
+            u = bt * (v[b, t] - pred)                                 # [HV, V]
             S = S + kt[:, :, None] * u[:, None, :]
             outs.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))
         if outs:

@@ -4,7 +4,10 @@ their errors and warnings, and the decode path's validation and gradients."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,6 +68,22 @@ def test_docstring_args_match_signature(fn):
 def test_aliases_and_exports():
     assert chunk_gdn is chunk_gated_delta_rule and fused_recurrent_gdn is fused_recurrent_gated_delta_rule
     assert {"chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn"} <= set(flashdelta.__all__)
+
+
+def test_flashdelta_works_without_fla():
+    """FLA is optional: `import flashdelta` does not import it, and without it `flashdelta.fla_backend` says what
+    to install."""
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    code = ("import sys; sys.modules['fla'] = None; import flashdelta, torch; x = torch.rand(1, 3, 1, 4); "
+            "flashdelta.chunk_gated_delta_rule(x, x, x, -torch.rand(1, 3, 1), torch.rand(1, 3, 1))\n"
+            "try:\n    import flashdelta.fla_backend\nexcept ImportError as e:\n    print('no fla:', e)")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "no fla: flashdelta.fla_backend needs FLA 0.6.0 (pip install fla-core" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, "-c", "import sys, flashdelta; print('fla' in sys.modules)"],
+                         capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 def test_fla_style_call_with_every_positional_argument():

@@ -257,12 +257,7 @@ def chunk_gated_delta_rule(
     """
     if head_first is not None:
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
-    if transpose_state_layout is not None:
-        if state_v_first:
-            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
-                      stacklevel=2)
-        state_v_first = transpose_state_layout
+    state_v_first = _state_layout(state_v_first, transpose_state_layout)
     if cp_context is not None:
         raise UnsupportedError("cp_context: context parallelism across GPUs (FLA's FLACPContext) is not supported "
                                "by flashdelta yet; pass cp_context=None (one GPU per sequence batch)")
@@ -306,6 +301,18 @@ def chunk_gated_delta_rule(
 
 
 chunk_gdn = chunk_gated_delta_rule
+
+
+def _state_layout(state_v_first, transpose_state_layout):
+    """state_v_first, or FLA's deprecated name for it (a DeprecationWarning at the caller's call; both: FLA's
+    ValueError)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+    warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                  stacklevel=3)
+    return transpose_state_layout
 
 
 def _check_qkv_g_beta(q, k, v, g, beta):

@@ -8,14 +8,13 @@ it is differentiable. Its float64 twin is `flashdelta.reference.recurrent`.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .api import (_QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_devices, _check_gate_params, _check_heads,
-                  _check_scale, _check_state, _flag, _float_dtype, _no_forward_ad, _tensor)
+                  _check_scale, _check_state, _flag, _float_dtype, _no_forward_ad, _state_layout, _tensor)
 from .gates import beta_sigmoid, gdn_gate
 
 __all__ = ["fused_recurrent_gated_delta_rule", "fused_recurrent_gdn"]
@@ -86,12 +85,7 @@ def fused_recurrent_gated_delta_rule(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state or None. Differentiable w.r.t. every
         float input.
     """
-    if transpose_state_layout is not None:
-        if state_v_first:
-            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
-                      stacklevel=2)
-        state_v_first = transpose_state_layout
+    state_v_first = _state_layout(state_v_first, transpose_state_layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _tensor(name, x, 4)
         _float_dtype(name, x, _QKV_DTYPES)

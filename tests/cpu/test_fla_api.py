@@ -180,6 +180,9 @@ def test_transpose_state_layout_is_a_deprecated_alias():
         chunk_gated_delta_rule(**x, state_v_first=True, transpose_state_layout=True)
     with pytest.raises(TypeError, match="state_v_first must be a bool"), pytest.warns(DeprecationWarning):
         chunk_gated_delta_rule(**x, transpose_state_layout="yes")
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout") as rec:
+        fused_recurrent_gated_delta_rule(**x, transpose_state_layout=False)
+    assert rec[0].filename == __file__
 
 
 def test_head_first_raises_flas_error():

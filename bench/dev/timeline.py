@@ -1,6 +1,6 @@
-"""Per-role timelines of the SM90 forward's kernels on a GPU (recorded by kernels/timeline.py).
+"""Per-role timelines of the SM90 kernels on a GPU (recorded by kernels/timeline.py).
 
-    source .device/bootstrap.sh; python3 bench/dev/timeline.py [--kernel fused_fwd,prepare_oneshot,prepare_pipe]
+    source .device/bootstrap.sh; python3 bench/dev/timeline.py [--kernel fused_fwd,prepare_oneshot,prepare_pipe,chunk_bwd]
         [--heads 16/64] [--tokens 8192]
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/timeline.py --compile-only    # CPU: the instrumented builds
 
@@ -117,11 +117,19 @@ def make_inputs(T, H, HV, K=128, V=128, device="cuda"):
 
 def runners(H, HV, T):
     """kernel name -> (its timeline table, a no-argument call of its launcher returning the outputs)."""
-    from flashdelta.kernels import fused_fwd, prepare, prepare_oneshot, prepare_pipe
+    import torch
+
+    from flashdelta.kernels import chunk_bwd, fused_fwd, prepare, prepare_oneshot, prepare_pipe
 
     q, k, v, g, beta, h0, cu = make_inputs(T, H, HV)
     gc, A = prepare.prepare_fwd(k, g, beta, cu)
+    h = fused_fwd.state_recompute(k, v, gc, beta, A, h0, cu)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(v.shape, generator=gen, device="cuda").bfloat16()
+    dht = torch.randn(h0.shape, generator=gen, device="cuda")
     return {
+        "chunk_bwd": (chunk_bwd.TABLE, lambda: chunk_bwd.chunk_bwd(q, k, v, gc, beta, A, h, do, dht, cu,
+                                                                   scale=128 ** -0.5)),
         "fused_fwd": (fused_fwd.TABLE, lambda: fused_fwd.chunk_fwd(q, k, v, gc, beta, A, h0, cu, scale=128 ** -0.5)),
         "prepare_oneshot": (prepare_oneshot.TABLE, lambda: prepare.prepare_fwd(k, g, beta, cu, persistent=False)),
         "prepare_pipe": (prepare_pipe.TABLE, lambda: prepare.prepare_fwd(k, g, beta, cu, persistent=True)),
@@ -132,10 +140,10 @@ def compile_only(names, H, HV):
     """The instrumented builds of these kernels for the heads, on a fake buffer address (no GPU)."""
     import torch
 
-    from flashdelta.kernels import fused_fwd, prepare_oneshot, prepare_pipe, timeline
+    from flashdelta.kernels import chunk_bwd, fused_fwd, prepare_oneshot, prepare_pipe, timeline
 
     b, f = torch.bfloat16, torch.float32
-    builds = {"fused_fwd": (fused_fwd, fused_fwd.builder_args(H, HV, 128, 128, b, f, f, 128 ** -0.5, True, False)),
+    builds = {"chunk_bwd": (chunk_bwd, chunk_bwd.builder_args(H, HV, 128, 128, b, f, 128 ** -0.5, True, False)),"fused_fwd": (fused_fwd, fused_fwd.builder_args(H, HV, 128, 128, b, f, f, 128 ** -0.5, True, False)),
               "prepare_oneshot": (prepare_oneshot, prepare_oneshot.builder_args(H, HV, 128, b, f)),
               "prepare_pipe": (prepare_pipe, prepare_pipe.builder_args(H, HV, 128, b, f))}
     for name in names:
@@ -163,7 +171,7 @@ def cuda_ms(fn, reps):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", default="fused_fwd,prepare_oneshot,prepare_pipe")
+    ap.add_argument("--kernel", default="fused_fwd,prepare_oneshot,prepare_pipe", help="comma-separated; also chunk_bwd")
     ap.add_argument("--heads", default="16/64", help="H/HV")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)

@@ -35,7 +35,7 @@ offsets are int64, so tensors past 2^31 elements work.
 import tilelang.language as T
 import torch
 
-from . import _tl
+from . import _tl, timeline
 
 BT = 64
 THREADS = 256
@@ -44,8 +44,25 @@ HEAD_DIMS = ((128, 128), (64, 64))
 DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, do, dv
 LOG2E = 1.4426950408889634
 
+TABLE = timeline.Table(
+    "chunk_bwd",
+    roles={"c": ("CTA (thread 0)", 0)},
+    events={
+        "c.load": "q, k, v, dO, A, S0^T, gates in shared; e_L <dS1, S0> per row",
+        "c.fwd": "U, W, Ag, Vd, P, Pg",
+        "c.dv": "dVd, dv stored, dAg, dU, dU o U row sums",
+        "c.dk1": "R Vd dS1^T and its row sums",
+        "c.inv": "dAb, dA, colsum(dAb o A), A^T dA A^T",
+        "c.dp": "dP, Mx, its row and column sums",
+        "c.dq": "dq stored",
+        "c.dk": "dk stored",
+        "c.rows": "K K^T, dbeta and dG rows stored",
+        "c.ds": "dS0^T",
+    },
+    ctas=8, steps=32)
 
-@_tl.jit()
+
+@_tl.jit(table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
           state_v_first: bool):
     """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic."""
@@ -59,21 +76,24 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
     # tiling config
     NVEC = 6            # per-row partial sums of dG (5) and dbeta (2) share one [NVEC + 1, BT] fp32 tile
+    prelude = timeline.prelude(TABLE) or None      # the timer helpers while recording; else no prelude at all
 
     def gamma(g_s, i, j):
         # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal (never exp of a positive number)
         return T.exp2(T.Select(i >= j, (g_s[i] - g_s[j]) * LOG2E, -T.infinity(acc)))
 
     @T.macro
-    def colsum(x_f, x_s, vec_s, row, tx, tot):
+    def colsum(x_f, x_s, part_s, vec_s, row, tx, tot):
         # column sums of a [BT, BT] fp32 fragment through fp32 shared memory (a fragment reduction over dim 0 has no
-        # layout for the wgmma accumulator); one thread per column
+        # layout for the wgmma accumulator): each thread sums a quarter of one column, then one thread per column
+        # adds the four quarters
         T.copy(x_f, x_s)
+        tot[0] = 0.0
+        for i in T.serial(BT // 4):
+            tot[0] = tot[0] + x_s[(tx // BT) * (BT // 4) + i, tx % BT]
+        part_s[tx // BT, tx % BT] = tot[0]
         if tx < BT:
-            tot[0] = 0.0
-            for i in T.serial(BT):
-                tot[0] = tot[0] + x_s[i, tx]
-            vec_s[row, tx] = tot[0]
+            vec_s[row, tx] = part_s[0, tx] + part_s[1, tx] + part_s[2, tx] + part_s[3, tx]
 
     @T.prim_func
     def chunk_bwd_kernel(
@@ -94,11 +114,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         dg: T.Tensor((1, T_, HV), acc),
         dh0: T.Tensor(state_shape, acc),
     ):
-        with T.Kernel((N_ + 1) * HV, threads=THREADS) as bx:
+        with T.Kernel((N_ + 1) * HV, threads=THREADS, prelude=prelude) as bx:
             i_n = bx // HV
             i_hv = bx % HV
             i_h = i_hv // G
             tx = T.get_thread_binding()
+            mark = timeline.marker(TABLE, bx, tx)
 
             # inputs of the chunk (rows past the end zeroed); W overwrites V in place, scale D Q overwrites Q last
             q_s = T.alloc_shared((BT, K), dtype)
@@ -120,6 +141,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
             vec_s = T.alloc_shared((NVEC + 1, BT), acc)     # per-row partial sums of dG and dbeta
             tot_s = T.alloc_shared((V + BT,), acc)          # <dS1, S0> per row of dS^T, and the R-term per row
+            part_s = T.alloc_shared((THREADS // BT, BT), acc)   # column sums' quarter partials
 
             ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
             u_f = T.alloc_fragment((BT, V), acc)
@@ -146,6 +168,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             red_mr = T.alloc_fragment((BT,), acc)
             red_l = T.alloc_fragment((BT,), acc)
             vrow_f = T.alloc_fragment((V,), acc)
+            # in-place shared updates go through registers (read all, then write all: one barrier, not one per row)
+            w_f = T.alloc_fragment((BT, V), dtype)
+            qd_f = T.alloc_fragment((BT, K), dtype)
             tot = T.alloc_local((1,), acc)
 
             if i_n == N_:
@@ -195,18 +220,26 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     for i, j in T.Parallel(BT, BT):
                         a_s[i, j] = T.if_then_else(i < ln, A[0, T.cast(t0 + i, "int64"), i_hv, j], T.cast(0, dtype))
                     for i, j in T.Parallel(V, K):
-                        h_s[i, j] = T.cast(h[s64, i_hv, i, j], dtype)
+                        # S0^T read once: the GEMM operand and, in fp32, the e_L <dS1, S0> term (the last row's dG)
+                        hv = h[s64, i_hv, i, j]
+                        h_s[i, j] = T.cast(hv, dtype)
+                        rvk_f[i, j] = ds_f[i, j] * hv
                     for i in T.Parallel(BT):
                         g_s[i] = g[0, T.cast(t0 + T.min(i, ln - 1), "int64"), i_hv]
                         b_s[i] = T.if_then_else(i < ln, T.cast(beta[0, T.cast(t0 + i, "int64"), i_hv], acc), 0.0)
                     for i in T.Parallel(BT):
                         eg_s[i] = T.exp2(g_s[i] * LOG2E)
                         r_s[i] = T.exp2((g_s[BT - 1] - g_s[i]) * LOG2E)
+                    T.reduce_sum(rvk_f, vrow_f, dim=1)
+                    for i in T.Parallel(V):
+                        tot_s[i] = vrow_f[i]
+                    mark(cc, "c.load")
 
                     # ---- forward pieces: U, W, Ag, Vd, P ----
                     T.gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True)          # U = K S0   [BT, K] @ [K, V]
                     for i, j in T.Parallel(BT, V):
-                        v_s[i, j] = T.cast(T.cast(v_s[i, j], acc) - eg_s[i] * u_f[i, j], dtype)   # W = V - D U
+                        w_f[i, j] = T.cast(T.cast(v_s[i, j], acc) - eg_s[i] * u_f[i, j], dtype)   # W = V - D U
+                    T.copy(w_f, v_s)
                     for i, j in T.Parallel(BT, BT):
                         ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gamma(g_s, i, j) * b_s[j], dtype)
                     T.gemm(ag_s, v_s, vd_f, clear_accum=True)                           # Vd = Ag W  [BT, BT] @ [BT, V]
@@ -214,13 +247,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)          # P = Q K^T  [BT, K] @ [K, BT]
                     for i, j in T.Parallel(BT, BT):
                         pg_s[i, j] = T.cast(p_f[i, j] * gamma(g_s, i, j) * scale, dtype)
+                    mark(cc, "c.fwd")
 
-                    # ---- e_L <dS1, S0> (the last row's dG term) and dS1 as a GEMM operand ----
-                    for i, j in T.Parallel(V, K):
-                        rvk_f[i, j] = ds_f[i, j] * T.cast(h[s64, i_hv, i, j], acc)
-                    T.reduce_sum(rvk_f, vrow_f, dim=1)
-                    for i in T.Parallel(V):
-                        tot_s[i] = vrow_f[i]
+                    # ---- dS1 as a GEMM operand ----
                     T.copy(ds_f, ds_s)
 
                     # ---- value path: dVd, dv, dU ----
@@ -240,6 +269,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.reduce_sum(rv_f, red_u, dim=1)
                     for i in T.Parallel(BT):
                         vec_s[0, i] = red_u[i]
+                    mark(cc, "c.dv")
 
                     # ---- R Vd dS1^T (dk's first term) and its dG term ----
                     T.gemm(vd_s, ds_s, dk_f, clear_accum=True)                          # Vd dS1^T   [BT, V] @ [V, K]
@@ -250,18 +280,20 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     for i in T.Parallel(BT):
                         vec_s[1, i] = red_r[i]
                         tot_s[V + i] = red_r[i]
+                    mark(cc, "c.dk1")
 
                     # ---- through the inverse: dAb, dA, dL ----
                     for i, j in T.Parallel(BT, BT):
                         dab = gamma(g_s, i, j) * dag_f[i, j]
                         da_s[i, j] = T.cast(dab * b_s[j], dtype)
                         daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
-                    colsum(daba_f, dat_s, vec_s, 6, tx, tot)
+                    colsum(daba_f, dat_s, part_s, vec_s, 6, tx, tot)
                     T.gemm(a_s, da_s, x_f, transpose_A=True, clear_accum=True)         # A^T dA     [BT, BT] @ [BT, BT]
                     T.copy(x_f, pg_s)
                     T.gemm(pg_s, a_s, dl_f, transpose_B=True, clear_accum=True)        # (A^T dA) A^T
                     for i, j in T.Parallel(BT, BT):
                         dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
+                    mark(cc, "c.inv")
 
                     # ---- output path: dP, Mx ----
                     T.gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)        # dPg = dO Vd^T [BT, V] @ [V, BT]
@@ -272,7 +304,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.reduce_sum(mx_f, red_mr, dim=1)
                     for i in T.Parallel(BT):
                         vec_s[2, i] = red_mr[i]
-                    colsum(mx_f, dat_s, vec_s, 3, tx, tot)
+                    colsum(mx_f, dat_s, part_s, vec_s, 3, tx, tot)
+                    mark(cc, "c.dp")
 
                     # ---- dq = scale D dO S0^T + dP K ----
                     T.gemm(do_s, h_s, dq_f, clear_accum=True)                           # dO S0^T    [BT, V] @ [V, K]
@@ -286,6 +319,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     for i, j in T.Parallel(BT, K):
                         if i < ln:
                             dq[0, T.cast(t0 + i, "int64"), i_hv, j] = dq_f[i, j]
+                    mark(cc, "c.dq")
 
                     # ---- dk += dU S0^T + dP^T Q + (dAt + dAt^T) K ----
                     T.gemm(dvd_s, h_s, dk_f)                                            # dU S0^T    [BT, V] @ [V, K]
@@ -298,6 +332,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     for i, j in T.Parallel(BT, K):
                         if i < ln:
                             dk[0, T.cast(t0 + i, "int64"), i_hv, j] = dk_f[i, j]
+                    mark(cc, "c.dk")
 
                     # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T) ----
                     T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)         # K K^T      [BT, K] @ [K, BT]
@@ -308,27 +343,33 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         vec_s[5, i] = red_l[i]
 
                     # ---- dG and dbeta rows (the last real row also gets the chunk totals) ----
-                    if tx == 0:
+                    if tx < 32:
+                        # the chunk totals e_L sum <dS1, S0> + sum of the R-term, one warp (shuffle reduction)
                         tot[0] = 0.0
-                        for i in T.serial(V):
-                            tot[0] = tot[0] + tot_s[i]
+                        for i in T.serial(V // 32):
+                            tot[0] = tot[0] + tot_s[i * 32 + tx]
                         tot[0] = tot[0] * eg_s[BT - 1]
-                        for i in T.serial(BT):
-                            tot[0] = tot[0] + tot_s[V + i]
-                        vec_s[1, ln - 1] = vec_s[1, ln - 1] - tot[0]
+                        for i in T.serial(BT // 32):
+                            tot[0] = tot[0] + tot_s[V + i * 32 + tx]
+                        tot[0] = T.warp_reduce_sum(tot[0])
+                        if tx == 0:
+                            vec_s[1, ln - 1] = vec_s[1, ln - 1] - tot[0]
                     for i in T.Parallel(BT):
                         if i < ln:
                             dg[0, T.cast(t0 + i, "int64"), i_hv] = (vec_s[0, i] + vec_s[4, i] - vec_s[1, i]
                                                                     + vec_s[2, i] - vec_s[3, i])
                             dbeta[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[5, i] + vec_s[6, i]
+                    mark(cc, "c.rows")
 
                     # ---- dS0^T = e_L dS1^T + dU^T K + (scale D Q)^T... as dO^T (scale D Q) ----
                     for i, j in T.Parallel(V, K):
                         ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
                     T.gemm(dvd_s, k_s, ds_f, transpose_A=True)                          # dU^T K     [V, BT] @ [BT, K]
                     for i, j in T.Parallel(BT, K):
-                        q_s[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
+                        qd_f[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
+                    T.copy(qd_f, q_s)
                     T.gemm(do_s, q_s, ds_f, transpose_A=True)                           # dO^T (scale D Q)
+                    mark(cc, "c.ds")
 
                 if state_v_first:
                     for i, j in T.Parallel(V, K):

@@ -9,12 +9,13 @@ import math
 import numbers
 import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from . import cp, dispatch
 from .autograd import forward
 from .dispatch import UnsupportedError
 from .gates import beta_sigmoid, gdn_gate
@@ -197,6 +198,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     transpose_state_layout: Optional[bool] = None,
     head_first=None,
+    context_parallel: Optional[Union[bool, int]] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet, chunked: the drop-in for FLA 0.6.0's ``chunk_gated_delta_rule`` (same names, positional
     order and defaults; FLA's keyword arguments are keyword-only here, and an unknown keyword raises TypeError).
@@ -249,6 +251,15 @@ def chunk_gated_delta_rule(
         transpose_state_layout: FLA's deprecated name of state_v_first: DeprecationWarning, same result; with
             ``state_v_first=True`` as well, ValueError (as FLA).
         head_first: removed in FLA; passing it raises FLA's error (``DeprecationWarning`` raised as an exception).
+        context_parallel: context parallelism inside one GPU (flashdelta's own; docs/dev/cp.md): long sequences
+            are cut into partitions of whole 64-token chunks that run in parallel, each from its exact start state
+            (an fp32 scan of the partitions' transitions), so o and final_state equal the serial result to fp32
+            rounding. None (default): the ``FLASHDELTA_CP`` environment variable (``auto``, ``0``, ``1``, or a
+            partition length in chunks >= 2), default ``auto``: a cost model splits where it predicts a gain on a
+            native (GPU) backend, from the shapes and the host lengths (cu_seqlens_cpu, or the validated copy of
+            cu_seqlens). False: never. True: always, at the cost model's partition length. An int >= 1: partitions
+            of that many chunks. Where the backend's forward cannot run the value width K + V (SM90: K = V = 128
+            only), the serial path runs. The backward is serial either way.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.
@@ -264,6 +275,7 @@ def chunk_gated_delta_rule(
     if isinstance(chunk_size, bool) or chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
     chunk_size = int(chunk_size)
+    cp_request = cp.parse_request(context_parallel)
     q, k, v, g, beta, B, T, H, K, HV, V = _check_qkv_g_beta(q, k, v, g, beta)
     _check_devices(q, k, v, g, beta, initial_state)
     scale = _check_scale(scale, K)
@@ -295,9 +307,23 @@ def chunk_gated_delta_rule(
         beta = beta_sigmoid(beta, allow_neg_eigval)
     need_bwd = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None,
+                                cu_host if cu_seqlens is not None else None)
     o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                             use_qk_l2norm_in_kernel, state_v_first, need_bwd)
+                             use_qk_l2norm_in_kernel, state_v_first, need_bwd, cp_code)
     return o, (final_state if output_final_state else None)
+
+
+def _context_parallel(request, q: Tensor, B: int, T: int, K: int, HV: int, V: int, N: int, varlen: bool,
+                      cu_host: Optional[Tensor]) -> int:
+    """The forward's CP code (`cp.decide`) from the request (`cp.parse_request`: the argument or FLASHDELTA_CP) and
+    host information only."""
+    if request == "off" or (request == "auto" and q.device.type != "cuda"):
+        return 0
+    kset = dispatch.plan(q.device, K, V, q.dtype, need_bwd=False).kset("chunk_fwd")
+    lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
+    return cp.decide(request, kset=kset, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, varlen=varlen,
+                     N=N, lengths=lengths, traced=torch.compiler.is_compiling())
 
 
 chunk_gdn = chunk_gated_delta_rule

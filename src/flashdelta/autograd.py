@@ -10,6 +10,10 @@ token and value head between the passes).
 Neither op reads device data on the host (no `.item()`, `.tolist()`), so `torch.compile(fullgraph=True)`
 traces through them and CUDA graphs can capture the Hopper path. The portable backend itself reads
 `cu_seqlens` on the host (its loop over sequences is in Python).
+
+The forward op's last argument is the context-parallel code from `cp.decide` (0: serial; L > 0: partitions of L
+chunks; `cp.CP_AUTO` / `cp.CP_ON`: decided here from the concrete shapes). The CP forward gives the same o and final
+state to fp32 rounding, so the backward (serial, whole sequences) does not depend on it.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from . import dispatch
+from . import cp, dispatch
 from .portable import l2norm_bwd
 from .stages import KernelSet
 
@@ -90,7 +94,7 @@ def _plan(q: Tensor, v: Tensor, need_bwd: bool) -> dispatch.Plan:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
             cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-            need_bwd: bool) -> tuple[Tensor, Tensor]:
+            need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
     """(o, final_state) through the custom op where autograd, torch.compile or a tensor subclass (fake tensors,
     DTensor, ...) needs it; otherwise (plain tensors, no gradient, eager) the same function called directly. The
     custom op's eager dispatch imports torch._dynamo on its first call (1.4 s on the CPU machine, ~4 s on the GPU
@@ -99,13 +103,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_st
     # (functorch's vmap/grad wrappers are of type Tensor too; the op runs them through torch's batching fallback)
     if need_bwd or torch.compiler.is_compiling() or not all(
             x is None or (type(x) is Tensor and not is_functorch_wrapped_tensor(x)) for x in tensors):
-        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
-    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd)
+        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel)
+    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel)
 
 
 def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-                   need_bwd: bool) -> tuple[Tensor, Tensor]:
+                   need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
     """The forward's body (`chunk_gdn_fwd` and the direct path of `forward`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -123,21 +127,29 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
     g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
     ks = plan.kset("chunk_fwd")
-    o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                         state_v_first=state_v_first)
+    L = cp.resolve_code(context_parallel, device=q.device, B=B, T=T, HV=HV, K=K, V=V, N=N,
+                        varlen=cu_seqlens is not None) if context_parallel else 0
+    if L and cp.supported(ks, K, V, q.dtype):
+        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
+        o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
+                                state_v_first=state_v_first, plan=parts, backends=plan)
+    else:
+        o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
+                             state_v_first=state_v_first)
     return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
 
 
 @torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
 def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-                  need_bwd: bool) -> tuple[Tensor, Tensor]:
+                  need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
     return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
-                          need_bwd)
+                          need_bwd, context_parallel)
 
 
 @chunk_gdn_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, need_bwd):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, need_bwd,
+      context_parallel=0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
@@ -187,7 +199,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, _ = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first = inputs[:10]
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
 
@@ -199,8 +211,9 @@ def _backward(ctx, do, dht):
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht,
                                                scale, use_qk_l2norm, state_v_first)
-    # one entry per forward input: q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, layout, need_bwd
-    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+    # one entry per forward input: q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, layout, need_bwd,
+    # context_parallel
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None, None
 
 
 torch.library.register_autograd("flashdelta::chunk_gdn_fwd", _backward, setup_context=_setup_context)

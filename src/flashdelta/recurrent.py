@@ -1,20 +1,36 @@
 """Token-by-token Gated DeltaNet for decode and short multi-token steps: the drop-in for FLA 0.6.0's
 ``fused_recurrent_gated_delta_rule``.
 
-The recurrence runs in PyTorch on any device: a loop over the token positions, each step batched over every sequence
-and value head, in fp32 (float64 for float64 inputs). There is no SM90 kernel for it yet, so on a GPU each token costs
-a handful of PyTorch launches; decode (one token per sequence) is one step. Autograd runs through the PyTorch ops, so
-it is differentiable. Its float64 twin is `flashdelta.reference.recurrent`.
+Two paths compute it:
+
+- On an SM90 (Hopper) GPU, the TileLang kernel `flashdelta.kernels.decode`: one launch per call, the state read
+  once and written once (decode is memory-bound), cu_seqlens read on the device (no host synchronisation, so a call
+  can be captured in a CUDA graph). It is forward only: a call where an input requires grad (under
+  ``torch.is_grad_enabled()``) runs the PyTorch path, and so does a call inside torch.compile or with tensor
+  subclasses, or with head dims / dtypes the kernel lacks (`kernels.decode.unsupported`; a warning says so once).
+- Everywhere else, the portable PyTorch path: a loop over the token positions, each step batched over every sequence
+  and value head, in fp32 (float64 for float64 inputs); it reads cu_seqlens on the host. Autograd runs through its
+  PyTorch ops, so it is differentiable.
+
+``FLASHDELTA_BACKEND=torch`` forces the PyTorch path; ``=sm90`` forces the kernel and raises `UnsupportedError`
+where it cannot run (see `flashdelta.dispatch`). The float64 twin of both is `flashdelta.reference.recurrent`.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import warnings
+
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
-from .api import (_QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_devices, _check_gate_params, _check_heads,
-                  _check_scale, _check_state, _flag, _float_dtype, _no_forward_ad, _state_layout, _tensor)
+from . import dispatch
+from .api import (_INDEX_DTYPES, _QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_devices,
+                  _check_gate_params, _check_heads, _check_scale, _check_state, _flag, _float_dtype, _no_forward_ad,
+                  _state_layout, _tensor)
+from .autograd import _caller_stacklevel
+from .dispatch import UnsupportedError
 from .gates import beta_sigmoid, gdn_gate
 
 __all__ = ["fused_recurrent_gated_delta_rule", "fused_recurrent_gdn"]
@@ -50,8 +66,10 @@ def fused_recurrent_gated_delta_rule(
 
         S = exp(g_t) S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale S^T q_t
 
-    Runs in PyTorch on every device (no SM90 kernel yet); on the host it reads cu_seqlens (one device-to-host copy
-    per call with cu_seqlens, none without).
+    On an SM90 GPU it runs the decode kernel (one launch, no host synchronisation; cu_seqlens' values are read on the
+    device only and are not validated there); where an input requires grad, and on other devices, the
+    differentiable PyTorch loop, which validates cu_seqlens on the host (one device-to-host copy per call with
+    cu_seqlens, none without). The module docstring has the rules.
 
     Args:
         q: ``[B, T, H, K]`` float: queries.
@@ -77,13 +95,15 @@ def fused_recurrent_gated_delta_rule(
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 * sigmoid(beta)``; without it, ValueError.
         state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries (B must be 1); tokens past ``cu_seqlens[-1]`` get a
-            zero output.
+            zero output. The kernel path does not check its values (0 first, non-decreasing, at most T: that would
+            cost a device-to-host copy per call); it clamps them to ``[0, T]``, so bad values give wrong outputs but
+            no out-of-bounds access.
         transpose_state_layout: FLA's deprecated name of state_v_first: DeprecationWarning, same result; with
             ``state_v_first=True`` as well, ValueError (as FLA).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state or None. Differentiable w.r.t. every
-        float input.
+        float input (through the PyTorch path, which any call with an input that requires grad takes).
     """
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -119,15 +139,31 @@ def fused_recurrent_gated_delta_rule(
     use_beta_sigmoid_in_kernel, allow_neg_eigval = _check_beta_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:
         _check_gate_params(A_log, dt_bias, HV, q.device)
+    gate = (A_log, dt_bias) if use_gate_in_kernel else ()
+    tensors = (q, k, v, g, gk, gv, beta, initial_state, *gate)
+    need_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    kernel = _kernel_path(q, v, need_grad, tensors + (cu_seqlens,))
     cu_host = None
     if cu_seqlens is not None:
-        cu_host = _check_cu_seqlens(cu_seqlens, None, B, T, q.device)
-        if cu_host is None:          # inside torch.compile: the loop needs the lengths on the host all the same
-            cu_host = cu_seqlens.cpu()
+        if kernel:
+            _check_cu_structure(cu_seqlens, B, q.device)
+        else:
+            cu_host = _check_cu_seqlens(cu_seqlens, None, B, T, q.device)
+            if cu_host is None:      # inside torch.compile: the loop needs the lengths on the host all the same
+                cu_host = cu_seqlens.cpu()
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _check_state("initial_state", initial_state, N, HV, K, V, state_v_first)
-    _no_forward_ad("fused_recurrent_gated_delta_rule", q, k, v, g, gk, gv, beta, initial_state,
-                   *((A_log, dt_bias) if use_gate_in_kernel else ()))
+    _no_forward_ad("fused_recurrent_gated_delta_rule", *tensors)
+
+    if kernel:
+        from .kernels import decode  # noqa: PLC0415  (imports tilelang: only on the kernel path)
+
+        beta_act = (2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel and beta is not None else 0
+        return decode.fused_recurrent_fwd(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, scale=scale,
+                                          output_final_state=output_final_state,
+                                          use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=gate[0] if gate else None,
+                                          dt_bias=gate[1] if gate else None, beta_act=beta_act,
+                                          state_v_first=state_v_first)
 
     cd = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
     if use_gate_in_kernel:
@@ -140,6 +176,57 @@ def fused_recurrent_gated_delta_rule(
 
 
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
+
+_warned: set = set()
+
+
+def _kernel_path(q: Tensor, v: Tensor, need_grad: bool, tensors: tuple) -> bool:
+    """Whether this call runs the SM90 decode kernel (`kernels.decode`), per the module docstring's rules; raises
+    `UnsupportedError` where ``FLASHDELTA_BACKEND=sm90`` forces it and it cannot run."""
+    forced = dispatch.requested_backend()
+    if forced == dispatch.PORTABLE:
+        return False
+    device = q.device
+    if forced == "auto" and dispatch.native_backend(device) != "sm90":
+        return False
+    if forced == "sm90" and (device.type != "cuda" or dispatch.current_arch(device) != (9, 0)):
+        raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90 needs CUDA tensors on an SM90 (Hopper) GPU; got device "
+                               f"{device} (arch {dispatch.current_arch(device)})")
+    if need_grad:
+        reason = ("the SM90 decode kernel is forward only and an input requires grad (the differentiable PyTorch "
+                  "path runs such calls)")
+    elif torch.compiler.is_compiling():
+        reason = "the SM90 decode kernel runs eagerly, not inside torch.compile"
+    elif not all(type(x) is Tensor and not is_functorch_wrapped_tensor(x) for x in tensors if isinstance(x, Tensor)):
+        reason = "the SM90 decode kernel takes plain tensors (no tensor subclasses or functorch transforms)"
+    else:
+        from .kernels import decode  # noqa: PLC0415  (imports tilelang: only on an SM90 device)
+
+        reason = decode.unsupported(q.shape[-1], v.shape[-1], q.dtype, v.dtype)
+        if reason is not None and forced == "auto":
+            key = (q.shape[-1], v.shape[-1], q.dtype, v.dtype)
+            if key not in _warned:
+                _warned.add(key)
+                warnings.warn(f"flashdelta: running fused_recurrent_gated_delta_rule on the portable PyTorch path on "
+                              f"{device}: {reason}", stacklevel=_caller_stacklevel())
+    if reason is not None and forced == "sm90":
+        raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90: {reason}")
+    return reason is None
+
+
+def _check_cu_structure(cu_seqlens, B: int, device: torch.device) -> None:
+    """cu_seqlens' type, shape and device, without reading its values (the kernel path's check: no device-to-host
+    copy); the messages are `api._check_cu_seqlens`'."""
+    cu = _tensor("cu_seqlens", cu_seqlens, 1)
+    if cu.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
+    if B != 1:
+        raise ValueError(f"cu_seqlens (varlen input) needs batch size 1, got q with B={B}; pack the sequences along T")
+    if cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
 
 
 def _dims(name: str, shape: tuple) -> str:

@@ -1,0 +1,354 @@
+"""Token-by-token Gated DeltaNet forward (Hopper, TileLang): the kernel of `fused_recurrent_gated_delta_rule` for
+decode (T = 1 per sequence), multi-token verification (small T) and any other T.
+
+Decode is memory-bound: each call reads the fp32 state once and writes it once, and everything else (q, k, v and the
+gates of one token) is a few hundred bytes per head. The kernel therefore keeps the state in registers for the whole
+call and does nothing that costs bandwidth besides those two passes.
+
+One CTA per (sequence, value head, V slice of `BV` = 32 columns), one warp: thread j owns state column
+``S[:, v0 + j]`` (all K rows, K fp32 registers) and loops over the sequence's tokens. Per token (fp32; q, k, v, the
+gates and beta converted on load)::
+
+    d    = exp(g + gk[k] + gv[v])                     (each term optional; d = 1 without any)
+    Sd   = d S
+    rk   = rsqrt(|k|^2 + 1e-6), rq likewise          (use_qk_l2norm_in_kernel; else 1)
+    u    = beta (v - rk Sd^T k)                       (beta scalar or per value channel)
+    S    = Sd + (rk k) u^T
+    o    = scale rq (Sd^T q + rk (k . q) u)           (= scale S^T (rq q), with no second pass over S)
+
+Every thread reads the token's whole q and k (16-byte loads of one address per warp: broadcasts) and computes the
+norms and ``k . q`` itself, so the kernel has no shared memory and no barrier. ``Sd^T k``, ``Sd^T q`` and the norms
+come from one pass over K; the rank-1 update is a second pass that reads k again (an L1 hit). With
+``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x) = x above 20,
+as torch and `flashdelta.gates.gdn_gate`); with a beta activation, beta is ``sigmoid`` or ``2 sigmoid`` of the logits.
+
+State tiles load and store coalesced: in the ``[N, HV, K, V]`` layout a warp reads one 128-byte row segment per K
+row; in the ``[N, HV, V, K]`` layout (state_v_first) each thread moves its own row in 16-byte vectors.
+
+CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so any number of sequences fits one grid
+dimension. Dense input ``[B, T, ..]`` runs B sequences of T tokens. Varlen input (B = 1) reads cu_seqlens on the
+device (clamped to ``[0, T]``, so malformed values cannot make the kernel read or write out of bounds), and the extra
+sequence index N zero-fills o on the padding tail ``[cu_seqlens[N], T)``. Token and sequence offsets are int64, so
+tensors past 2^31 elements work. The float64 twin is `flashdelta.reference.recurrent`; the portable path is the
+PyTorch loop in `flashdelta.recurrent`.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+from typing import Optional
+
+import tilelang.language as T
+import torch
+
+from . import _tl
+
+F32 = "float32"
+BV = 32                 # value columns per CTA: one warp, one column per thread
+THREADS = BV
+# Key dims the kernel supports: the state column is K fp32 registers per thread (128 at K = 128, no spills).
+SUPPORTED_K = (64, 128)
+MAX_V = 1024            # V is split into V / BV CTAs: any multiple of BV up to this
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # q/k, v, the gates, beta, A_log, dt_bias, h0
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+BETA_ACTS = (0, 1, 2)   # beta as given, sigmoid(beta), 2 * sigmoid(beta)
+
+
+def _bytes(dtype: str) -> int:
+    return 4 if dtype == F32 else 2
+
+
+@_tl.jit()
+def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Optional[str],
+          gk_dtype: Optional[str], gv_dtype: Optional[str], beta_dtype: Optional[str], beta_per_v: bool,
+          h0_dtype: Optional[str], store_state: bool, state_v_first: bool, varlen: bool, scale: float,
+          qk_l2norm: bool, a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int):
+    """The kernel for one compile-time configuration; B, T (tokens) and N (sequences, varlen) are dynamic. A dtype of
+    None drops that input (no g, gk, gv, beta, initial state, in-kernel gate, dt_bias); store_state: write ht."""
+    # problem config
+    assert HV % H == 0 and K in SUPPORTED_K and V % BV == 0 and V <= MAX_V and beta_act in BETA_ACTS
+    assert a_log_dtype is None or g_dtype is not None, "the in-kernel gate transforms g"
+    assert dt_bias_dtype is None or a_log_dtype is not None
+    G = HV // H
+    NV = V // BV
+    B_ = T.dynamic("B")
+    T_ = T.dynamic("T")
+    N_ = T.dynamic("N")
+    NS = N_ if varlen else B_                                 # sequences (state rows)
+    rows = N_ + 1 if varlen else B_                           # grid rows: + the padding tail with varlen
+    state_shape = (NS, HV, V, K) if state_v_first else (NS, HV, K, V)
+    beta_shape = (B_, T_, HV, V) if beta_per_v else (B_, T_, HV)
+    # tiling config
+    KL = K // THREADS                                         # q/k elements per lane
+    VH = 16 // _bytes(h0_dtype) if h0_dtype is not None else 4
+    VH = min(VH, K)
+
+    def opt(shape, dt):
+        return T.Tensor(shape, dt) if dt is not None else None
+
+    @T.macro
+    def sequence(b64, n64, bos, ln, i_hv, i_h, col, q, k, v, g, gk, gv, beta, h0, A_log, dt_bias, o, ht,
+                 tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc):
+        # ---- state column in: S[:, col] (fp32) ----
+        if h0_dtype is not None:
+            if state_v_first:
+                for c in T.unroll(K // VH):
+                    for j in T.vectorized(VH):
+                        hc[j] = h0[n64, i_hv, col, c * VH + j]
+                    for j in T.unroll(VH):
+                        s[c * VH + j] = T.cast(hc[j], F32)
+            else:
+                for kk in T.unroll(K):
+                    s[kk] = T.cast(h0[n64, i_hv, kk, col], F32)
+        else:
+            for kk in T.unroll(K):
+                s[kk] = 0.0
+        for i in T.serial(ln):
+            t64 = T.cast(bos + i, "int64")
+            # ---- per-token scalars: the log decay of this column, beta, v ----
+            sc[0] = 0.0
+            if g_dtype is not None:
+                if a_log_dtype is not None:
+                    sc[1] = T.cast(g[b64, t64, i_hv], F32)
+                    if dt_bias_dtype is not None:
+                        sc[1] = sc[1] + T.cast(dt_bias[i_hv], F32)
+                    sc[1] = T.if_then_else(sc[1] > SOFTPLUS_THRESHOLD, sc[1], T.log1p(T.exp(sc[1])))
+                    sc[0] = -T.exp(T.cast(A_log[i_hv], F32)) * sc[1]
+                else:
+                    sc[0] = T.cast(g[b64, t64, i_hv], F32)
+            if gv_dtype is not None:
+                sc[0] = sc[0] + T.cast(gv[b64, t64, i_hv, col], F32)
+            sc[0] = T.exp(sc[0])
+            if beta_dtype is not None:
+                if beta_per_v:
+                    sc[1] = T.cast(beta[b64, t64, i_hv, col], F32)
+                else:
+                    sc[1] = T.cast(beta[b64, t64, i_hv], F32)
+                if beta_act != 0:
+                    sc[1] = float(beta_act) / (1.0 + T.exp(-sc[1]))
+            else:
+                sc[1] = 1.0
+            sc[2] = T.cast(v[b64, t64, i_hv, col], F32)
+            # ---- the token's q and k, shared: lane j loads elements [j KL, (j + 1) KL), the warp reduces ----
+            for j in T.vectorized(KL):
+                kc[j] = k[b64, t64, i_h, tx * KL + j]
+            for j in T.vectorized(KL):
+                qc[j] = q[b64, t64, i_h, tx * KL + j]
+            for j in T.unroll(3):
+                acc[j] = 0.0
+            for j in T.unroll(KL):
+                acc[0] = acc[0] + T.cast(kc[j], F32) * T.cast(qc[j], F32)
+                if qk_l2norm:
+                    acc[1] = acc[1] + T.cast(kc[j], F32) * T.cast(kc[j], F32)
+                    acc[2] = acc[2] + T.cast(qc[j], F32) * T.cast(qc[j], F32)
+            if qk_l2norm:
+                acc[1] = T.rsqrt(T.warp_reduce_sum(acc[1]) + L2NORM_EPS)        # rk
+                acc[2] = T.rsqrt(T.warp_reduce_sum(acc[2]) + L2NORM_EPS)        # rq
+            else:
+                acc[1] = 1.0
+                acc[2] = 1.0
+            acc[0] = T.warp_reduce_sum(acc[0]) * acc[1] * acc[2]              # k . q, normalised
+            T.sync_threads()                          # the previous token's reads of k_s, q_s, e_s are done
+            for j in T.unroll(KL):
+                k_s[tx * KL + j] = T.cast(kc[j], F32) * acc[1]
+                q_s[tx * KL + j] = T.cast(qc[j], F32) * (acc[2] * scale)
+                if gk_dtype is not None:
+                    e_s[tx * KL + j] = T.exp(T.cast(gk[b64, t64, i_hv, tx * KL + j], F32))
+            T.sync_threads()
+            # ---- pass 1: Sd = d S; Sd^T k, Sd^T q ----
+            acc[3] = 0.0
+            acc[4] = 0.0
+            for kk in T.unroll(K):
+                if gk_dtype is not None:
+                    s[kk] = s[kk] * (sc[0] * e_s[kk])
+                else:
+                    s[kk] = s[kk] * sc[0]
+                acc[3] = acc[3] + s[kk] * k_s[kk]
+                acc[4] = acc[4] + s[kk] * q_s[kk]
+            sc[3] = sc[1] * (sc[2] - acc[3])                                  # u
+            o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
+            # ---- pass 2: S = Sd + k u^T ----
+            # (a barrier: k_s is read again rather than kept in K more registers from pass 1, which spills)
+            T.sync_threads()
+            for kk in T.unroll(K):
+                s[kk] = s[kk] + k_s[kk] * sc[3]
+        # ---- state column out ----
+        if store_state:
+            if state_v_first:
+                for c in T.unroll(K // 4):
+                    for j in T.vectorized(4):
+                        ht[n64, i_hv, col, c * 4 + j] = s[c * 4 + j]
+            else:
+                for kk in T.unroll(K):
+                    ht[n64, i_hv, kk, col] = s[kk]
+
+    @T.prim_func
+    def decode_kernel(
+        q: T.Tensor((B_, T_, H, K), dtype),
+        k: T.Tensor((B_, T_, H, K), dtype),
+        v: T.Tensor((B_, T_, HV, V), v_dtype),
+        g: opt((B_, T_, HV), g_dtype),
+        gk: opt((B_, T_, HV, K), gk_dtype),
+        gv: opt((B_, T_, HV, V), gv_dtype),
+        beta: opt(beta_shape, beta_dtype),
+        h0: opt(state_shape, h0_dtype),
+        A_log: opt((HV,), a_log_dtype),
+        dt_bias: opt((HV,), dt_bias_dtype),
+        cu_seqlens: T.Tensor((N_ + 1,), "int32") if varlen else None,
+        o: T.Tensor((B_, T_, HV, V), v_dtype),
+        ht: T.Tensor(state_shape, F32) if store_state else None,
+    ):
+        with T.Kernel(rows * (HV * NV), threads=THREADS) as bx:
+            i_n = bx // (HV * NV)
+            i_hv = (bx // NV) % HV
+            i_h = i_hv // G
+            tx = T.get_thread_binding()
+            col = (bx % NV) * BV + tx
+            s = T.alloc_local((K,), F32)          # the state column S[:, col]
+            kc = T.alloc_local((KL,), dtype)
+            qc = T.alloc_local((KL,), dtype)
+            k_s = T.alloc_shared((K,), F32)       # the token's k (normalised), q (normalised, scaled), exp(gk)
+            q_s = T.alloc_shared((K,), F32)
+            e_s = T.alloc_shared((K,), F32) if gk_dtype is not None else None
+            hc = T.alloc_local((VH,), h0_dtype if h0_dtype is not None else F32)
+            acc = T.alloc_local((5,), F32)
+            sc = T.alloc_local((4,), F32)
+            n64 = T.cast(i_n, "int64")
+            if varlen:
+                if i_n == N_:
+                    # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
+                    tb = T.min(T.max(cu_seqlens[N_], 0), T_)
+                    for i in T.serial(T_ - tb):
+                        o[0, T.cast(tb + i, "int64"), i_hv, col] = T.cast(0, v_dtype)
+                else:
+                    bos = T.min(T.max(cu_seqlens[i_n], 0), T_)
+                    eos = T.min(T.max(cu_seqlens[i_n + 1], bos), T_)
+                    sequence(T.cast(0, "int64"), n64, bos, eos - bos, i_hv, i_h, col, q, k, v, g, gk, gv, beta,
+                             h0, A_log, dt_bias, o, ht, tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc)
+            else:
+                sequence(n64, n64, 0, T_, i_hv, i_h, col, q, k, v, g, gk, gv, beta, h0, A_log, dt_bias, o, ht,
+                         tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc)
+
+    return decode_kernel
+
+
+def _tl_dtype(x) -> Optional[str]:
+    """A builder dtype argument: the TileLang name of a tensor's (or torch dtype's) dtype; None for None."""
+    if x is None:
+        return None
+    return _tl.TL_DTYPE[x.dtype if isinstance(x, torch.Tensor) else x]
+
+
+def unsupported(K: int, V: int, dtype: torch.dtype, v_dtype: torch.dtype) -> Optional[str]:
+    """Why the kernel cannot run these head dims and q/k, v dtypes (float64 is the reference precision: it runs on
+    the portable path), or None if it can. Every other input dtype the launcher converts (float64 to fp32)."""
+    if K not in SUPPORTED_K or V % BV or V > MAX_V:
+        return (f"head dims (K={K}, V={V}) are not supported by the SM90 decode kernel (K in {list(SUPPORTED_K)}, "
+                f"V a multiple of {BV} up to {MAX_V})")
+    for name, dt in (("q/k", dtype), ("v", v_dtype)):
+        if dt not in DTYPES:
+            return f"{name} dtype {dt} is not supported by the SM90 decode kernel (supported: {list(DTYPES)})"
+    return None
+
+
+def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, v_dtype: torch.dtype, *,
+                 g_dtype: Optional[torch.dtype], gk_dtype: Optional[torch.dtype] = None,
+                 gv_dtype: Optional[torch.dtype] = None, beta_dtype: Optional[torch.dtype],
+                 beta_per_v: bool = False, h0_dtype: Optional[torch.dtype], output_final_state: bool = True,
+                 state_v_first: bool = False, varlen: bool, scale: float, qk_l2norm: bool,
+                 a_log_dtype: Optional[torch.dtype] = None, dt_bias_dtype: Optional[torch.dtype] = None,
+                 beta_act: int = 0) -> tuple:
+    """The `build` arguments (its compile-cache key) for one call: dtypes of the inputs it gets (None: absent; the
+    launcher's float64 ones go in as fp32), beta per value channel or not, the final state written or not, the state
+    layout, varlen or dense, the output scale, the q/k normalisation, the in-kernel gate (A_log's and dt_bias' dtypes)
+    and the beta activation (`BETA_ACTS`)."""
+    return (H, HV, K, V, _tl_dtype(dtype), _tl_dtype(v_dtype), _tl_dtype(g_dtype), _tl_dtype(gk_dtype),
+            _tl_dtype(gv_dtype), _tl_dtype(beta_dtype), bool(beta_per_v), _tl_dtype(h0_dtype),
+            bool(output_final_state), bool(state_v_first), bool(varlen), float(scale), bool(qk_l2norm),
+            _tl_dtype(a_log_dtype), _tl_dtype(dt_bias_dtype), int(beta_act))
+
+
+def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, *, beta_dtype: torch.dtype,
+                    scale: float, g_dtype: Optional[torch.dtype] = torch.float32,
+                    h0_dtype: torch.dtype = torch.float32, qk_l2norm: bool = True, gate: Optional[tuple] = None,
+                    beta_act: int = 0, initial_state=(True,), state_v_first=(False,), varlen=(False, True),
+                    output_final_state=(True,)) -> list:
+    """(label, builder, args) of the decode kernel for one head config (q, k, v in `dtype`), per combination of the
+    option tuples: the builds a model's decode steps launch, for `flashdelta.warmup`. gate: ``(A_log dtype, dt_bias
+    dtype or None)`` for ``use_gate_in_kernel`` (g is then the raw gate in g_dtype), None without it."""
+    a_log_dtype, dt_bias_dtype = gate if gate is not None else (None, None)
+    out = []
+    for has_h0 in initial_state:
+        for vfirst in state_v_first:
+            for vl in varlen:
+                for store in output_final_state:
+                    label = (f"decode H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst} varlen={vl} "
+                             f"final={store}")
+                    args = builder_args(H, HV, K, V, dtype, dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
+                                        h0_dtype=h0_dtype if has_h0 else None, output_final_state=store,
+                                        state_v_first=vfirst, varlen=vl, scale=scale, qk_l2norm=qk_l2norm,
+                                        a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype, beta_act=beta_act)
+                    out.append((label, build, args))
+    return out
+
+
+def _input(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """An input as the kernel takes it: contiguous; a dtype outside `DTYPES` (float64) as fp32, the precision the
+    kernel computes in."""
+    if x is None:
+        return None
+    return (x if x.dtype in DTYPES else x.float()).contiguous()
+
+
+def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                        gk: Optional[torch.Tensor], gv: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+                        initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], *, scale: float,
+                        output_final_state: bool, use_qk_l2norm: bool, A_log: Optional[torch.Tensor] = None,
+                        dt_bias: Optional[torch.Tensor] = None, beta_act: int = 0,
+                        state_v_first: bool = False) -> tuple:
+    """The token-by-token forward in one launch (arguments validated by `flashdelta.fused_recurrent_gated_delta_rule`).
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16/fp16/fp32; v: ``[B, T, HV, V]`` bf16/fp16/fp32 (its own dtype); `unsupported`
+            says which head dims.
+        g: ``[B, T, HV]`` log decay (with A_log: the raw gate) or None; gk ``[B, T, HV, K]``, gv ``[B, T, HV, V]``
+            per-channel log decays or None; beta ``[B, T, HV]`` or ``[B, T, HV, V]`` or None (ones), logits with
+            beta_act 1 (sigmoid) or 2 (2 sigmoid).
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) or None (zeros).
+        cu_seqlens: ``[N + 1]`` int32/int64 with B = 1, or None (dense: N = B). Read on the device only.
+        A_log, dt_bias: ``[HV]``, the in-kernel gate ``g = -exp(A_log) softplus(g + dt_bias)`` (A_log None: off).
+
+    Returns:
+        o ``[B, T, HV, V]`` in v's dtype (0 on the padding tail past ``cu_seqlens[-1]``), and the final state fp32
+        in the input layout (None without output_final_state). No host synchronisation.
+    """
+    B, T_, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert unsupported(K, V, q.dtype, v.dtype) is None and k.dtype == q.dtype and HV % H == 0
+    assert beta_act in BETA_ACTS and (dt_bias is None or A_log is not None)
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
+    dev = q.device
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    o = _tl.alloc((B, T_, HV, V), v.dtype, dev)
+    ht = _tl.alloc(state_shape, torch.float32, dev) if output_final_state else None
+    if B * T_ == 0:             # no tokens: every sequence is empty
+        if ht is not None:
+            if initial_state is None:
+                ht.zero_()
+            else:
+                ht.copy_(initial_state)
+        return o, ht
+    g, gk, gv, beta, h0, A_log, dt_bias = map(_input, (g, gk, gv, beta, initial_state, A_log, dt_bias))
+    args = builder_args(H, HV, K, V, q.dtype, v.dtype, g_dtype=_opt_dtype(g), gk_dtype=_opt_dtype(gk),
+                        gv_dtype=_opt_dtype(gv), beta_dtype=_opt_dtype(beta),
+                        beta_per_v=beta is not None and beta.dim() == 4, h0_dtype=_opt_dtype(h0),
+                        output_final_state=output_final_state, state_v_first=state_v_first, varlen=varlen,
+                        scale=scale, qk_l2norm=use_qk_l2norm, a_log_dtype=_opt_dtype(A_log),
+                        dt_bias_dtype=_opt_dtype(dt_bias), beta_act=beta_act)
+    cu = _tl.cu_seqlens_int32(cu_seqlens) if varlen else None
+    tensors = [q.contiguous(), k.contiguous(), v.contiguous(), g, gk, gv, beta, h0, A_log, dt_bias, cu, o, ht]
+    build(*args)(*[x for x in tensors if x is not None])
+    return o, ht
+
+
+def _opt_dtype(x: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    return None if x is None else x.dtype

@@ -320,10 +320,13 @@ def _context_parallel(request, q: Tensor, B: int, T: int, K: int, HV: int, V: in
     host information only."""
     if request == "off" or (request == "auto" and q.device.type != "cuda"):
         return 0
+    if torch.compiler.is_compiling():      # settled inside the op, on concrete shapes (`cp.resolve_code`)
+        return cp.decide(request, kset=None, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V,
+                         varlen=varlen, N=N, traced=True)
     kset = dispatch.plan(q.device, K, V, q.dtype, need_bwd=False).kset("chunk_fwd")
     lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
     return cp.decide(request, kset=kset, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, varlen=varlen,
-                     N=N, lengths=lengths, traced=torch.compiler.is_compiling())
+                     N=N, lengths=lengths)
 
 
 chunk_gdn = chunk_gated_delta_rule

@@ -127,9 +127,9 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
     g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
     ks = plan.kset("chunk_fwd")
-    L = cp.resolve_code(context_parallel, device=q.device, B=B, T=T, HV=HV, K=K, V=V, N=N,
-                        varlen=cu_seqlens is not None) if context_parallel else 0
-    if L and cp.supported(ks, K, V, q.dtype):
+    L = cp.resolve_code(context_parallel, kset=ks, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, N=N,
+                        varlen=cu_seqlens is not None)
+    if L:
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
         o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                                 state_v_first=state_v_first, plan=parts, backends=plan)

@@ -5,10 +5,13 @@ runs one CTA per (sequence, value head, V slice). CP cuts every sequence into pa
 in parallel and gives each its exact start state (docs/algorithm.md §4.3), in three steps built on the stage
 launchers:
 
-1. **Augmented pass.** The recurrence acts on each value column of the state independently, so one `chunk_fwd`
-   launch over the partitions with values ``[0 | v]`` (``[1, T, HV, K + V]``) and start states ``[I | 0]``
-   (``[P, HV, K, K + V]``, K-first) returns as final states ``[M_p | E_p]``: each partition's transition M_p (K x K,
-   ``S -> M_p S``) and its end state from a zero start E_p (docs/algorithm.md §4.3). Its o is discarded.
+1. **Summary passes.** The recurrence acts on each value column of the state independently (column j of S evolves
+   with column j of v; K, g, beta, A are shared), so `chunk_fwd` over the partitions (each run as a sequence of its
+   own) gives, with values v from a zero start, each partition's end state E_p as its final state, and with zero
+   values from the identity ``I`` (``[P, HV, K, K]``, K-first), its transition M_p (``S -> M_p S``). These are the two
+   column blocks of one augmented run (values ``[0 | v]`` from ``[I | 0]`` ends in ``[M_p | E_p]``), launched
+   apart: the kernel splits V into 64-column CTAs anyway, so the CTA work is the same, no ``[0 | v]`` copy is made
+   and no build of value width K + V is needed. Their o is discarded.
 2. **Scan** (fp32; float64 for float64 inputs): ``S_{p+1} = M_p S_p + E_p`` over each sequence's partitions, from
    the sequence's initial state; torch ops, either serial (one step per partition index, batched over sequences)
    or log-depth (segmented doubling over the composed pairs), whichever `scan_cost` predicts cheaper.
@@ -33,6 +36,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "bounds", "builds", "choose", "cp_chunk_fwd", "decide",
+           "make_plan", "num_sms", "parse_request", "predict", "resolve_code", "scan_cost", "scan_log", "scan_serial",
+           "scan_states", "summaries", "supported"]
+
 Tensor = torch.Tensor
 
 ENV_CP = "FLASHDELTA_CP"
@@ -54,7 +61,7 @@ LAUNCH_US = 9.0                 # per fused launch, fixed
 SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
 SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
-HBM_GBPS = 3000.0               # effective rate of the [0 | v] copy (GB/s)
+HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
 MIN_SEQ_CHUNKS = 32             # auto: no split of a batch whose longest sequence has fewer chunks (2048 tokens)
 CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the model tries
@@ -92,8 +99,8 @@ def parse_request(context_parallel) -> object:
 
 
 def supported(kset, K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether `kset`'s chunk_fwd runs both CP passes: value width K + V (augmented) and V."""
-    return kset.has(["chunk_fwd"]) and kset.unsupported(K, K + V, dtype, "chunk_fwd") is None \
+    """Whether `kset`'s chunk_fwd runs every CP pass: value width V (E and output passes) and K (M pass)."""
+    return kset.has(["chunk_fwd"]) and kset.unsupported(K, K, dtype, "chunk_fwd") is None \
         and kset.unsupported(K, V, dtype, "chunk_fwd") is None
 
 
@@ -156,7 +163,7 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
             seq_len: Optional[int] = None) -> dict:
     """Predicted microseconds of the serial forward's fused pass and of CP's passes with L-chunk partitions."""
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
-    NV, NVa = max(1, V // 64), max(1, (K + V) // 64)
+    NV, NK = max(1, V // 64), max(1, K // 64)
     serial = _pass_us([(c, HV * NV) for c in chunks], sms)
     parts = {}
     for c in chunks:
@@ -165,12 +172,12 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
         if rem or c == 0:
             parts[rem] = parts.get(rem, 0) + 1
     P, J = bounds(T, N, L, seq_len)
-    aug = _pass_us([(ch, n * HV * NVa) for ch, n in parts.items()], sms)
-    out = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
+    m = _pass_us([(ch, n * HV * NK) for ch, n in parts.items()], sms)
+    e = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
     scan_us, scan = scan_cost(P, J, HV, K, V)
-    copy = T * HV * (K + 2 * V) * 2 / (HBM_GBPS * 1e3)
-    return dict(serial=serial, cp=aug + out + scan_us + copy, aug=aug, out=out, scan=scan_us, scan_method=scan,
-                copy=copy, P=P, J=J)
+    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
+    return dict(serial=serial, cp=m + 2 * e + scan_us + zeros, m=m, e=e, out=e, scan=scan_us, scan_method=scan,
+                zeros=zeros, P=P, J=J)
 
 
 def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
@@ -196,33 +203,39 @@ def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, s
 
 def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int, V: int,
            varlen: bool, N: int, lengths=None, traced: bool = False) -> int:
-    """The CP code for one call: 0 (serial), L > 0, or `CP_AUTO` / `CP_ON` where `traced` (torch.compile: the
-    shapes may be symbolic, so the model runs inside the op on concrete ones, `resolve_code`).
+    """The CP code for one call: 0 (serial), L > 0, or, where `traced` (torch.compile: shapes may be symbolic and
+    the kernel set is resolved inside the op), `CP_AUTO` / `CP_ON` for `resolve_code` to settle on concrete shapes.
 
-    `request` from `parse_request`; `kset` the kernel set running chunk_fwd. CP needs a chunk_fwd that runs the
-    augmented width K + V (else serial). ``auto`` splits only on a native (GPU) backend where the model predicts a
-    gain; ``on`` and an explicit L split on any backend. `lengths`: the host sequence lengths where known
-    (cu_seqlens_cpu or the validated copy of cu_seqlens); they steer the choice of L, never a buffer size.
+    `request` from `parse_request`; `kset` the kernel set running chunk_fwd (unused when traced). CP needs a
+    chunk_fwd that runs the value widths V and K (`supported`; else serial). ``auto`` splits only on a native
+    (GPU) backend where the model predicts a gain; ``on`` and an explicit L split on any backend. `lengths`: the
+    host sequence lengths where known (cu_seqlens_cpu or the validated copy of cu_seqlens); they steer the choice
+    of L, never a buffer size.
     """
-    if request == "off" or not supported(kset, K, V, dtype):
+    if request == "off":
+        return 0
+    if traced:
+        return request if isinstance(request, int) else (CP_ON if request == "on" else CP_AUTO)
+    if not supported(kset, K, V, dtype):
         return 0
     if isinstance(request, int):
         return request
     if request == "auto" and (device.type != "cuda" or kset.name == "torch"):
         return 0
-    if traced:
-        return CP_ON if request == "on" else CP_AUTO
-    seq_len = None if varlen else T
-    total = B * T
-    return choose(T=total, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
-                  seq_len=seq_len, force=(request == "on"))
+    return choose(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
+                  seq_len=None if varlen else T, force=(request == "on"))
 
 
-def resolve_code(code: int, *, device: torch.device, B: int, T: int, HV: int, K: int, V: int, N: int,
-                 varlen: bool) -> int:
-    """A code from `decide` as a partition length (0: serial), with concrete shapes."""
-    if code >= 0:
+def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int,
+                 V: int, N: int, varlen: bool) -> int:
+    """A code from `decide` as a partition length with concrete shapes: 0 (serial) where CP cannot or, under
+    `CP_AUTO`, should not run."""
+    if code == 0 or not supported(kset, K, V, dtype):
+        return 0
+    if code > 0:
         return code
+    if code == CP_AUTO and (device.type != "cuda" or kset.name == "torch"):
+        return 0
     return choose(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T,
                   force=(code == CP_ON))
 
@@ -295,48 +308,48 @@ def _h0(initial_state: Optional[Tensor], N: int, HV: int, K: int, V: int, dtype,
     return initial_state.to(dtype)
 
 
-def scan_serial(X: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor:
-    """Start states ``[P, HV, K, V]`` of every partition from ``X = [M | E]`` ``[P, HV, K, K + V]`` and the
-    sequences' initial states ``h0 [N, HV, K, V]`` (K-first; None: zeros): ``S_{j+1} = M_j S_j + E_j``, one step
-    per partition index j, batched over sequences (dense: strided views; varlen: a gather of step j's partitions,
-    sequences without one take the identity of the padding slot P)."""
-    P, HV, K, KV = X.shape
-    V, N, J = KV - K, plan.N, plan.J
-    S = _h0(h0, N, HV, K, V, X.dtype, X.device)
+def scan_serial(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor:
+    """Start states ``[P, HV, K, V]`` of every partition from the transitions ``M [P, HV, K, K]``, the end states
+    from zero ``E [P, HV, K, V]`` and the sequences' initial states ``h0 [N, HV, K, V]`` (K-first; None: zeros):
+    ``S_{j+1} = M_j S_j + E_j``, one step per partition index j, batched over sequences. Dense input: strided
+    views (one sequence: one batched GEMM per step, written in place). Varlen: a gather of step j's partitions;
+    sequences without a j-th one take the padding slot P, the identity map."""
+    P, HV, K, V = E.shape
+    N, J = plan.N, plan.J
+    S = _h0(h0, N, HV, K, V, E.dtype, E.device)
     if plan.regular:
-        Xr = X.view(N, J, HV, K, KV)
-        H = torch.empty(N, J, HV, K, V, dtype=X.dtype, device=X.device)
+        Mr, Er = M.view(N, J, HV, K, K), E.view(N, J, HV, K, V)
+        H = torch.empty(N, J, HV, K, V, dtype=E.dtype, device=E.device)
         H[:, 0] = S
         for j in range(J - 1):
-            if N == 1:      # contiguous slices: one batched GEMM writes the next start state in place
-                torch.baddbmm(Xr[0, j, :, :, K:], Xr[0, j, :, :, :K], H[0, j], out=H[0, j + 1])
+            if N == 1:
+                torch.baddbmm(Er[0, j], Mr[0, j], H[0, j], out=H[0, j + 1])
             else:
-                H[:, j + 1] = torch.matmul(Xr[:, j, :, :, :K], H[:, j]) + Xr[:, j, :, :, K:]
+                H[:, j + 1] = torch.matmul(Mr[:, j], H[:, j]) + Er[:, j]
         return H.view(P, HV, K, V)
-    pad = torch.zeros(1, HV, K, KV, dtype=X.dtype, device=X.device)
-    pad[..., :K] = torch.eye(K, dtype=X.dtype, device=X.device)
-    Xp = torch.cat([X, pad])                                     # slot P: the identity map (no partition)
-    H = torch.empty(P + 1, HV, K, V, dtype=X.dtype, device=X.device)
+    eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(1, HV, K, K)
+    Mp = torch.cat([M, eye])                                     # slot P: the identity map (no partition)
+    Ep = torch.cat([E, E.new_zeros(1, HV, K, V)])
+    H = torch.empty(P + 1, HV, K, V, dtype=E.dtype, device=E.device)
     for j in range(J):
         idx = plan.step_index[j]
         H.index_copy_(0, idx, S)                                 # several sequences may write slot P: discarded
         if j + 1 < J:
-            Xj = Xp.index_select(0, idx)
-            S = torch.baddbmm(Xj[..., K:].reshape(N * HV, K, V), Xj[..., :K].reshape(N * HV, K, K),
-                              S.reshape(N * HV, K, V)).view(N, HV, K, V)
+            S = torch.baddbmm(Ep.index_select(0, idx).view(N * HV, K, V), Mp.index_select(0, idx).view(N * HV, K, K),
+                              S.view(N * HV, K, V)).view(N, HV, K, V)
     return H[:P]
 
 
-def scan_log(X: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor:
+def scan_log(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor:
     """`scan_serial`'s result by a segmented doubling scan over the partition slots: level d composes each pair
-    with the one d slots earlier in the same sequence, ``(M, E) o (M', E') = (M M', M E' + E)``, ceil(log2 J)
-    levels of one batched GEMM each (the last one without the M part)."""
-    P, HV, K, KV = X.shape
-    V = KV - K
+    with the one d slots earlier in the same sequence, ``(M, E) o (M', E') = (M M', M E' + E)``, as one batched
+    GEMM of M with ``[M' | E']``; ceil(log2 J) levels (the last one without the M part)."""
+    P, HV, K, V = E.shape
     if h0 is not None:          # fold each sequence's initial state into its first partition: E += M h0
-        h0 = h0.to(X.dtype)
-        E0 = torch.matmul(X[..., :K], h0.index_select(0, plan.seq)) + X[..., K:]
-        X = torch.cat([X[..., :K], torch.where(plan.first[:, None, None, None], E0, X[..., K:])], -1)
+        E = torch.where(plan.first[:, None, None, None], torch.baddbmm(
+            E.view(P * HV, K, V), M.view(P * HV, K, K), h0.to(E.dtype).index_select(0, plan.seq).view(P * HV, K, V)
+        ).view(P, HV, K, V), E)
+    X = torch.cat([M, E], -1)                                    # [P, HV, K, K + V]
     d = 1
     while d < plan.J:
         take = (plan.pos[d:] >= d)[:, None, None, None]
@@ -345,47 +358,40 @@ def scan_log(X: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor:
             Y[..., K:] += X[d:, :, :, K:]
             X = torch.cat([X[:d], torch.where(take, Y, X[d:])])
         else:
-            E = torch.baddbmm(X[d:, :, :, K:].reshape(-1, K, V), X[d:, :, :, :K].reshape(-1, K, K),
-                              X[:-d, :, :, K:].reshape(-1, K, V)).view(P - d, HV, K, V)
-            X = torch.cat([X[:d, :, :, K:], torch.where(take, E, X[d:, :, :, K:])])
+            Ed = torch.baddbmm(X[d:, :, :, K:].reshape(-1, K, V), X[d:, :, :, :K].reshape(-1, K, K),
+                               X[:-d, :, :, K:].reshape(-1, K, V)).view(P - d, HV, K, V)
+            X = torch.cat([X[:d, :, :, K:], torch.where(take, Ed, X[d:, :, :, K:])])
             break
         d *= 2
-    end = X[..., K:] if X.shape[-1] == KV else X                  # end state of every partition
-    start = _h0(h0, plan.N, HV, K, V, X.dtype, X.device).index_select(0, plan.seq)
+    end = X[..., K:] if X.shape[-1] == K + V else X              # end state of every partition
+    start = _h0(h0, plan.N, HV, K, V, E.dtype, E.device).index_select(0, plan.seq)
     prev = torch.cat([start[:1], end[:-1]])
     return torch.where(plan.first[:, None, None, None], start, prev)
 
 
-def scan_states(X: Tensor, plan: CPPlan, h0: Optional[Tensor], method: Optional[str] = None) -> Tensor:
+def scan_states(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor], method: Optional[str] = None) -> Tensor:
     """Every partition's start state (K-first), by `method` (``"serial"`` / ``"log"``; None: `scan_cost`'s)."""
     if method is None:
-        P, HV, K, KV = X.shape
-        method = scan_cost(plan.P, plan.J, HV, K, KV - K)[1]
+        method = scan_cost(plan.P, plan.J, E.shape[1], E.shape[2], E.shape[3])[1]
     if method == "serial":
-        return scan_serial(X, plan, h0)
+        return scan_serial(M, E, plan, h0)
     if method == "log":
-        return scan_log(X, plan, h0)
+        return scan_log(M, E, plan, h0)
     raise ValueError(f"method: {method!r}, expected 'serial' or 'log'")
 
 
 # ------------------------------------------------------------------------------------------------ forward
 
-def augmented_start(P: int, HV: int, K: int, V: int, dtype, device) -> Tensor:
-    """``[I | 0]`` ``[P, HV, K, K + V]``: start states whose end states are ``[M | E]``."""
-    X0 = torch.zeros(P, HV, K, K + V, dtype=dtype, device=device)
-    X0[..., :K].diagonal(dim1=-2, dim2=-1).fill_(1)
-    return X0
-
-
-def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd, state_dtype) -> Tensor:
-    """``[M | E]`` ``[P, HV, K, K + V]`` (K-first) of every partition: one `chunk_fwd` launch with values
-    ``[0 | v]`` from ``[I | 0]`` (its o is discarded)."""
-    T, HV, V = v.shape[1], v.shape[2], v.shape[3]
+def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd, state_dtype) -> tuple:
+    """``(M [P, HV, K, K], E [P, HV, K, V])`` (K-first) of every partition, by two `chunk_fwd` launches over the
+    partitions: zero values from the identity (M), v from zero (E). Their o is discarded."""
+    T, HV = v.shape[1], v.shape[2]
     K = k.shape[-1]
-    v_aug = torch.cat([v.new_zeros(1, T, HV, K), v], -1)
-    X0 = augmented_start(plan.P, HV, K, V, state_dtype, v.device)
-    _, X = chunk_fwd(q, k, v_aug, g_cumsum, beta, A, X0, plan.cu, scale=scale, state_v_first=False)
-    return X
+    eye = torch.eye(K, dtype=state_dtype, device=v.device).expand(plan.P, HV, K, K).contiguous()
+    _, M = chunk_fwd(q, k, v.new_zeros(1, T, HV, K), g_cumsum, beta, A, eye, plan.cu, scale=scale,
+                     state_v_first=False)
+    _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
+    return M, E
 
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
@@ -393,24 +399,23 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     """The `chunk_fwd` stage (docs/stages.md) through the partitions of `plan` (`make_plan` of the same
     cu_seqlens), exact: ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``.
 
-    `backends`: the call's `dispatch.Plan`; both launches go to its chunk_fwd launcher, which must run the value
-    width K + V (`supported`). beta as that launcher takes it. States are fp32 (float64 for float64 q).
-    `scan`: ``"serial"``, ``"log"`` or None (`scan_cost`'s choice).
+    `backends`: the call's `dispatch.Plan`; every launch goes to its chunk_fwd launcher, which must run the value
+    widths V and K (`supported`). beta and the initial state as that launcher takes them. States are fp32 (float64
+    for float64 q). `scan`: ``"serial"``, ``"log"`` or None (`scan_cost`'s choice). Launches: three `chunk_fwd`
+    (M, E, output), the zero values, the identity, the scan (`scan_serial`: J - 1 batched GEMMs for one dense
+    sequence; varlen: about four small kernels per step), the final-state gather.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     launch = backends.fn("chunk_fwd")
-    ks = backends.kset("chunk_fwd")
-    K, V = k.shape[-1], v.shape[-1]
-    sd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    sd = ks.param_dtype(sd)
-    X = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd)
+    sd = backends.kset("chunk_fwd").param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd)
     h0 = initial_state
     if h0 is not None:
-        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(X.dtype)
-    H = scan_states(X, plan, h0, scan)
-    o, ht = launch(q, k, v, g_cumsum, beta, A, H.to(sd), plan.cu, scale=scale, state_v_first=False)
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
+    H = scan_states(M, E, plan, h0, scan)
+    o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
     final = ht.index_select(0, plan.last_index)
     if state_v_first:
         final = final.transpose(-1, -2).contiguous()
@@ -418,15 +423,12 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
 
 
 def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float) -> list:
-    """(label, builder, args) of the SM90 fused-forward builds the CP forward launches beyond the serial one's: the
-    augmented pass (value width K + V) and the output pass (V), both from an fp32 K-first initial state."""
+    """(label, builder, args) of the SM90 fused-forward builds the CP forward launches: value width V without an
+    initial state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first. At K = V
+    these are the serial forward's default builds (`flashdelta warmup` compiles them)."""
     from .kernels import fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
 
-    return [(f"cp {label}", b, args) for K_, V_ in ((K, K + V), (K, V))
-            for label, b, args in fused_fwd.launcher_builds(H, HV, K_, V_, dtype, beta_dtype, torch.float32, scale,
-                                                            initial_state=(True,), state_v_first=(False,))]
-
-
-__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "augmented_start", "bounds", "builds", "choose",
-           "cp_chunk_fwd", "decide", "make_plan", "parse_request", "predict", "resolve_code", "scan_cost",
-           "scan_log", "scan_serial", "scan_states", "summaries", "supported"]
+    todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
+    if K != V:
+        todo += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+    return [(f"cp {label}", b, args) for label, b, args in todo]

@@ -1,0 +1,248 @@
+"""The device-side CP forward (`flashdelta.cp`) on the portable backend, on the CPU.
+
+- the device plan equals the float64 reference's `partition` (ragged edges, empty and short sequences, dense);
+- the summary launches (zero values from I; v from 0) give the reference's (M, E); both scans equal
+  `scan_states`;
+- CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
+  with a never-decaying head, h0 present / absent, both state layouts, GVA; gradients through autograd equal;
+  torch.compile(fullgraph=True) traces it;
+- the request parsing (argument, FLASHDELTA_CP) and the cost model's decisions.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _helpers import Case, assert_close, make_inputs
+from flashdelta import chunk_gated_delta_rule, cp, dispatch, portable
+from flashdelta.reference import cp as rcp
+from flashdelta.stages import KernelSet
+
+F64 = torch.float64
+
+
+def _flat(x, name):
+    t = x[name]
+    return None if t is None else t.reshape(1, -1, *t.shape[2:])
+
+
+# ----------------------------------------------------------------------------------------- plan
+
+PLAN_CASES = [
+    # (name, cu_seqlens, L, T (buffer tokens, >= cu[-1]))
+    ("one_ragged", [0, 700], 3, 700),
+    ("exact_multiple", [0, 512], 2, 512),
+    ("empty_short_pad", [0, 0, 1, 64, 65, 65, 400], 1, 410),
+    ("short_and_long", [0, 5, 9, 40, 1500, 1510, 1600], 4, 1600),
+    ("all_empty", [0, 0, 0], 2, 8),
+]
+
+
+@pytest.mark.parametrize("name,cu,L,T", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_equals_reference_partition(name, cu, L, T):
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    plan = cp.make_plan(cu_t, T, L)
+    want = rcp.partition(cu, L)
+    P, J = cp.bounds(T, len(cu) - 1, L)
+    assert (plan.P, plan.J) == (P, J) and want.P <= P and max(
+        sum(1 for s in want.seq if s == n) for n in range(want.N)) <= J
+    assert plan.cu.dtype == torch.int32 and plan.cu.shape == (P + 1,)
+    assert plan.cu[:want.P + 1].tolist() == list(want.cu_seqlens)
+    assert bool((plan.cu[want.P:] == cu[-1]).all()), "unused slots are empty, at cu_seqlens[N]"
+    assert plan.seq[:want.P].tolist() == list(want.seq)
+    assert plan.first[:want.P].tolist() == list(want.first)
+    assert plan.last_index.tolist() == want.last_of()
+    for n in range(want.N):
+        mine = [p for p in range(want.P) if want.seq[p] == n]
+        assert plan.step_index[:len(mine), n].tolist() == mine
+        assert bool((plan.step_index[len(mine):, n] == P).all())
+
+
+def test_plan_dense_is_exact_and_regular():
+    plan = cp.make_plan(torch.arange(4, dtype=torch.int32) * 300, 900, 2, seq_len=300)
+    want = rcp.partition([0, 300, 600, 900], 2)
+    assert plan.regular and plan.P == want.P == 9 and plan.J == 3
+    assert plan.cu.tolist() == list(want.cu_seqlens)
+
+
+def test_plan_needs_no_device_values():
+    """Every buffer size comes from host ints: the plan traces on meta tensors (a data-dependent op, `.item()` or
+    a host read would raise there), so CUDA graphs capture it and replay it with new lengths."""
+    plan = cp.make_plan(torch.empty(6, dtype=torch.int32, device="meta"), 3000, 4)
+    assert plan.cu.shape == (5 + 3000 // 256 + 1,) and plan.step_index.shape == (12, 5)
+
+
+# ----------------------------------------------------------------------------------------- (M, E) and the scan
+
+def _stage_inputs(case: Case, dtype, seed=0):
+    x = make_inputs(case, dtype=dtype, seed=seed)
+    if dtype == F64:
+        x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    q, k, v, g, beta = (_flat(x, n) for n in ("q", "k", "v", "g", "beta"))
+    cu = x["cu_seqlens"]
+    if cu is None:
+        B, T = x["q"].shape[:2]
+        cu = torch.arange(B + 1, dtype=torch.int32) * T
+    g_cumsum, A = portable.prepare_fwd(k, g, beta, cu)
+    return x, q, k, v, g_cumsum, beta, A, cu
+
+
+SUMMARY_CASE = Case("summ", (700, 0, 130, 64), H=1, HV=4, K=16, V=8, pad=3)
+
+
+def test_summary_passes_and_scans_match_the_reference():
+    x, q, k, v, g_cumsum, beta, A, cu = _stage_inputs(SUMMARY_CASE, F64)
+    L = 3
+    plan = cp.make_plan(cu, q.shape[1], L)
+    parts = rcp.partition(cu, L)
+    E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
+    Md, Ed = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd,
+                          state_dtype=F64)
+    assert_close("M", Md[:parts.P], M, tol=1e-12)
+    assert_close("E", Ed[:parts.P], E, tol=1e-12)
+    for h0 in (x["initial_state"], None):
+        want, _ = rcp.scan_states(E, M, parts, h0)
+        for method in ("serial", "log"):
+            assert_close("h", cp.scan_states(Md, Ed, plan, h0, method)[:parts.P], want, tol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["serial", "log"])
+def test_scan_dense_regular(method):
+    case = Case("dense", (400, 400, 400), H=2, HV=2, K=8, V=8, varlen=False)
+    x, q, k, v, g_cumsum, beta, A, cu = _stage_inputs(case, F64)
+    plan = cp.make_plan(cu, q.shape[1], 2, seq_len=400)
+    parts = rcp.partition(cu, 2)
+    E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
+    assert_close("h", cp.scan_states(M, E, plan, x["initial_state"], method),
+                 rcp.scan_states(E, M, parts, x["initial_state"])[0], tol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------- CP on vs off
+
+API_CASES = [
+    # (case, partition chunks)
+    (Case("model_ragged_h0", (700, 1, 130), H=2, HV=4, K=16, V=8, pad=5), 3),       # head 0: g = 0
+    (Case("short_mixed_long_noh0", (3, 0, 70, 2, 900, 64), H=1, HV=4, K=16, V=16, h0=False), 2),  # GVA 4
+    (Case("vfirst_bench", (520, 200), H=2, HV=2, K=8, V=16, state_v_first=True, gate="bench"), 2),
+    (Case("dense_model", (400, 400), H=1, HV=2, K=16, V=8, varlen=False), 2),
+]
+
+
+def _api(x, **kw):
+    return chunk_gated_delta_rule(**x, output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("case,L", API_CASES, ids=[c[0].name for c in API_CASES])
+def test_cp_on_equals_off(case, L, dtype):
+    x = make_inputs(case, dtype=dtype)
+    if dtype == F64:
+        x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    o0, ht0 = _api(x, context_parallel=False)
+    o1, ht1 = _api(x, context_parallel=L)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert_close("o", o1, o0, tol=tol)
+    assert_close("ht", ht1, ht0, tol=tol)
+
+
+def test_cp_gradients_equal_serial():
+    """The forward with CP inside autograd: same o, and the (serial) backward gives the same gradients."""
+    case = Case("grad", (300, 1, 200), H=1, HV=2, K=8, V=8)
+    outs = []
+    for cpv in (False, 2):
+        x = make_inputs(case, dtype=torch.float32, requires_grad=True)
+        o, ht = _api(x, context_parallel=cpv)
+        (o.square().sum() + ht.square().sum()).backward()
+        outs.append([o, ht] + [x[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")])
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs):
+        assert_close(name, a, b, tol=1e-5)
+
+
+def test_cp_under_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    case = Case("compile", (300, 100), H=1, HV=2, K=8, V=8)
+    x = make_inputs(case, dtype=torch.float32)
+    rest = {n: t for n, t in x.items() if n not in ("q", "k", "v")}
+
+    def f(q, k, v):
+        return chunk_gated_delta_rule(q, k, v, **rest, output_final_state=True, context_parallel=2)
+
+    try:
+        o, ht = torch.compile(f, fullgraph=True, backend="aot_eager")(x["q"], x["k"], x["v"])
+    finally:                        # later tests count their own graphs
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    o0, ht0 = _api(x, context_parallel=False)
+    assert_close("o", o, o0, tol=1e-5)
+    assert_close("ht", ht, ht0, tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- decision
+
+def test_request_parsing(monkeypatch):
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    assert cp.parse_request(None) == "auto"
+    assert (cp.parse_request(False), cp.parse_request(True), cp.parse_request(1), cp.parse_request(8)) == \
+        ("off", "on", 1, 8)
+    for raw, want in (("0", "off"), ("off", "off"), ("1", "on"), ("auto", "auto"), ("16", 16)):
+        monkeypatch.setenv(cp.ENV_CP, raw)
+        assert cp.parse_request(None) == want
+    assert cp.parse_request(False) == "off"                    # the argument wins over the variable
+    monkeypatch.setenv(cp.ENV_CP, "sometimes")
+    with pytest.raises(ValueError, match=cp.ENV_CP):
+        cp.parse_request(None)
+    with pytest.raises(ValueError, match="context_parallel"):
+        cp.parse_request(0)
+    with pytest.raises(TypeError, match="context_parallel"):
+        cp.parse_request(2.0)
+    monkeypatch.delenv(cp.ENV_CP)
+    x = make_inputs(Case("bad", (64,), H=1, HV=1, K=8, V=8), dtype=torch.float32)
+    with pytest.raises(ValueError, match="context_parallel"):
+        _api(x, context_parallel=-3)
+
+
+def test_env_turns_cp_on(monkeypatch):
+    case = Case("env", (400,), H=1, HV=2, K=8, V=8)
+    x = make_inputs(case, dtype=torch.float32)
+    o0, ht0 = _api(x)
+    calls = []
+    real = cp.cp_chunk_fwd
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    monkeypatch.setenv(cp.ENV_CP, "2")
+    o1, ht1 = _api(x)
+    assert calls == [2]
+    assert_close("o", o1, o0, tol=1e-5)
+    monkeypatch.setenv(cp.ENV_CP, "auto")                      # auto on the CPU: serial
+    _api(x)
+    assert calls == [2]
+
+
+def test_decide_on_the_cost_model(monkeypatch):
+    """Few heads on one long sequence split; a full GPU, short sequences or an unsupported width do not."""
+    ks = KernelSet("sm90", dtypes=(torch.bfloat16,), head_dims=((128, 128), (64, 64), (128, 256)),
+                   chunk_fwd=portable.chunk_fwd)
+    portable_set = dispatch.load("torch")
+    monkeypatch.setattr(cp, "num_sms", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    kw = dict(kset=ks, device=dev, dtype=torch.bfloat16, K=128, V=128, B=1, varlen=True)
+    one = cp.decide("auto", T=32768, HV=8, N=1, lengths=[32768], **kw)
+    assert one > 0 and 32768 // 64 // one >= 4, one
+    p = cp.predict(T=32768, N=1, HV=8, K=128, V=128, L=one, sms=132, lengths=[32768])
+    assert p["cp"] < cp.MARGIN * p["serial"]
+    assert cp.decide("auto", T=32768, HV=64, N=1, lengths=[32768], **kw) == 0            # 128 CTAs already
+    assert cp.decide("auto", T=8192, HV=8, N=8, lengths=[1024] * 8, **kw) == 0           # short sequences
+    assert cp.decide("auto", T=32768, HV=8, N=1, traced=True, **kw) == cp.CP_AUTO
+    assert cp.decide("on", T=32768, HV=8, N=1, traced=True, **kw) == cp.CP_ON
+    assert cp.decide("off", T=32768, HV=8, N=1, **kw) == 0
+    assert cp.decide(5, T=32768, HV=8, N=1, **kw) == 5
+    assert cp.decide("on", T=32768, HV=64, N=1, lengths=[32768], **kw) > 0           # forced: the model's best L
+    assert cp.decide(4, T=32768, HV=8, N=1, **dict(kw, K=96, V=96)) == 0             # no kernel for (96, 96)
+    assert cp.decide("auto", T=32768, HV=8, N=1, **dict(kw, device=torch.device("cpu"))) == 0
+    # varlen without host lengths: the sequences are taken as equal (the conservative case)
+    assert cp.decide("auto", T=32768, HV=4, N=2, **kw) > 0
+    assert cp.decide("auto", T=32768, HV=8, N=32, **kw) == 0
+    assert cp.decide("auto", T=32768, HV=8, N=1, **dict(kw, kset=portable_set)) == 0      # the portable path
+    assert cp.decide(3, T=32768, HV=8, N=1, **dict(kw, kset=portable_set)) == 3
+    del kw["varlen"]
+    assert cp.resolve_code(cp.CP_AUTO, T=32768, HV=8, N=1, varlen=True, **kw) == cp.decide(
+        "auto", T=32768, HV=8, N=1, varlen=True, **kw)

@@ -1,0 +1,223 @@
+"""Fit the CP cost model's constants (`flashdelta.cp`) on the GPU and check its choices.
+
+Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf16, K = V = 128, h0 given):
+
+- per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
+  over the partitions (the cost of each of CP's three launches at K = V), the serial and the log-depth scan, the
+  zero values of the M pass, and the whole forward through the public API with CP off, with `context_parallel=L`,
+  and with the automatic choice (cu_seqlens_cpu given);
+- a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
+  `cp._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to the
+  log-depth ones and `HBM_GBPS` to the zero fill;
+- the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
+  the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
+  launches (torch.profiler) for the first case of each head config.
+
+    source .device/bootstrap.sh; python3 -u bench/dev/fit_cp.py            # the whole grid (~4-6 min)
+    python3 -u bench/dev/fit_cp.py --heads 2/8 --seqlens 1x32768 --L 32 64  # one row
+
+Builds: the fused forward at (K, V) = (128, 128) with and without an initial state, K-first (`flashdelta warmup`'s
+defaults), and prepare_fwd, for each head config.
+"""
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import providers  # noqa: E402
+import shapes  # noqa: E402
+import timing  # noqa: E402
+
+HEADS = ["2/8", "4/16", "8/32", "16/64"]
+SEQLENS = ["1x32768", "1x8192", "8192x4", "4096x8"]
+LS = [16, 32, 64, 128]
+
+
+def _items(seqlens, L):
+    """[(chunks, count)] of the partitions (L > 0) or the whole sequences (L = 0), per (value head, V slice)."""
+    out = {}
+    for n in seqlens:
+        c = -(-n // 64)
+        if L:
+            full, rem = divmod(c, L)
+            out[L] = out.get(L, 0) + full
+            if rem:
+                out[rem] = out.get(rem, 0) + 1
+        else:
+            out[c] = out.get(c, 0) + 1
+    return list(out.items())
+
+
+def _pass_row(items, sms):
+    """The coefficients of (LAUNCH_US, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US) in `cp._pass_us` for these items:
+    `launch + w * (longest_chunks * (ci (1 - occ) + cf occ) + o)`, w the wave count at the fitted constants."""
+    from flashdelta import cp
+
+    n = sum(c for _, c in items)
+    occ = min(1.0, n / sms)
+    c = cp.CHUNK_US_IDLE + (cp.CHUNK_US_FULL - cp.CHUNK_US_IDLE) * occ
+    longest_ch = max(ch for ch, _ in items)
+    longest = longest_ch * c + cp.ITEM_US
+    work = sum(cnt * (ch * c + cp.ITEM_US) for ch, cnt in items)
+    w = math.ceil(work / (sms * longest) - 1e-9)
+    return [1.0, w * longest_ch * (1 - occ), w * longest_ch * occ, w]
+
+
+def _lstsq(rows, ys):
+    A = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)
+    return torch.linalg.lstsq(A, y[:, None]).solution[:, 0].tolist()
+
+
+def _count_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy")]
+    return len(names), names
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", nargs="+", default=HEADS)
+    ap.add_argument("--seqlens", nargs="+", default=SEQLENS)
+    ap.add_argument("--L", nargs="+", type=int, default=LS)
+    ap.add_argument("--budget-ms", type=float, default=60.0, help="timing budget per runner")
+    args = ap.parse_args()
+
+    from flashdelta import chunk_gated_delta_rule, cp, dispatch
+    from flashdelta.kernels import fused_fwd, prepare
+
+    dev = torch.device("cuda")
+    sms = cp.num_sms(dev)
+    stream = torch.cuda.Stream()
+    flush = timing.L2Flush()
+    bp = dispatch.plan(dev, 128, 128, torch.bfloat16, need_bwd=False)
+    pass_rows, pass_y, serial_scan, log_scan, zero_fill, table = [], [], [], [], [], []
+    print(f"SMs {sms}; shipped constants: " + ", ".join(
+        f"{n}={getattr(cp, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US", "SCAN_STEP_US",
+                                          "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS")))
+    for hh in args.heads:
+        H, HV = map(int, hh.split("/"))
+        counted = False
+        for sl in args.seqlens:
+            seqlens = shapes.parse_seqlens(sl)
+            inp = providers.make_inputs(seqlens, H, HV, seed=0)
+            q, k, v, g, beta, h0, cu = inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, inp.cu
+            T, N = q.shape[1], len(seqlens)
+            g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+            steps = {"serial_pass": lambda: fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=inp.scale),
+                     "api_off": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                                               output_final_state=True, context_parallel=False),
+                     "api_auto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                                                cu_seqlens_cpu=inp.cu_host, output_final_state=True),
+                     "zeros": lambda: v.new_zeros(1, T, HV, 128)}
+            plans = {}
+            for L in args.L:
+                if L >= -(-max(seqlens) // 64):
+                    continue
+                plan = plans[L] = cp.make_plan(cu, T, L)
+                H0 = torch.randn(plan.P, HV, 128, 128, device=dev)
+                M = torch.randn(plan.P, HV, 128, 128, device=dev) * 0.05
+                E = torch.randn(plan.P, HV, 128, 128, device=dev)
+                steps[f"pass_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.chunk_fwd(
+                    q, k, v, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale))
+                steps[f"scan_serial_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_serial(M, E, plan, h0)
+                steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
+                steps[f"api_L{L}"] = (lambda L=L: chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L))
+            runners = {}
+            for name, fn in steps.items():
+                try:
+                    runners[name] = timing.make_runner(fn, stream=stream, allow_eager=False)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the other steps
+                    print(f"  {hh} {sl} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            ms = {n: t.ms for n, t in timing.time_runners(runners, stream=stream, budget_ms=args.budget_ms,
+                                                          flush=flush).items()}
+            us = {n: 1e3 * x for n, x in ms.items()}
+            # fit data
+            pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, 0)], sms))
+            pass_y.append(us["serial_pass"])
+            zero_fill.append((T * HV * 128 * 2, us["zeros"]))
+            for L, plan in plans.items():
+                if f"pass_L{L}" in us:
+                    pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, L)], sms))
+                    pass_y.append(us[f"pass_L{L}"])
+                if f"scan_serial_L{L}" in us:
+                    serial_scan.append((plan.J, us[f"scan_serial_L{L}"]))
+                if f"scan_log_L{L}" in us:
+                    levels = math.ceil(math.log2(plan.J)) if plan.J > 1 else 0
+                    log_scan.append((levels, levels * 2.0 * plan.P * HV * 128 * 256, us[f"scan_log_L{L}"]))
+            api = {L: us[f"api_L{L}"] for L in plans if f"api_L{L}" in us}
+            best_L = min(api, key=api.get) if api else 0
+            best = min([us["api_off"]] + list(api.values()))
+            chosen = cp.choose(T=T, N=N, HV=HV, K=128, V=128, sms=sms, lengths=list(seqlens))
+            table.append(dict(heads=hh, seqlens=sl, T=T, N=N, HV=HV, lengths=list(seqlens), off=us["api_off"],
+                              auto=us["api_auto"], api=api, best=best,
+                              best_L=best_L if api and api[best_L] < us["api_off"] else 0, chosen=chosen))
+            print(f"{hh:>6} {sl:>10}  off {us['api_off']:8.1f} us  auto(L={chosen}) {us['api_auto']:8.1f}  "
+                  + "  ".join(f"L{L} {t:8.1f}" for L, t in api.items())
+                  + f"  | serial pass {us['serial_pass']:.1f}, "
+                  + ", ".join(f"pass_L{L} {us.get(f'pass_L{L}', float('nan')):.1f} scan {us.get(f'scan_serial_L{L}', float('nan')):.1f}"
+                              f"/{us.get(f'scan_log_L{L}', float('nan')):.1f}" for L in plans), flush=True)
+            if not counted and plans:
+                L = max(plans, key=lambda L: -abs(L - 64))
+                n, names = _count_kernels(lambda: chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L))
+                n0, _ = _count_kernels(lambda: chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True,
+                    context_parallel=False))
+                print(f"  kernels per forward at {hh} {sl}: serial {n0}, CP L={L} (J={plans[L].J}) {n}")
+                counted = True
+            del inp, runners
+            torch.cuda.empty_cache()
+
+    # ---- fits
+    fit = {}
+    if len(pass_rows) >= 4:
+        launch, ci, cf, o = _lstsq(pass_rows, pass_y)
+        fit.update(LAUNCH_US=launch, CHUNK_US_IDLE=ci, CHUNK_US_FULL=cf, ITEM_US=o)
+    if len(serial_scan) >= 2:
+        a, step = _lstsq([[1.0, j] for j, _ in serial_scan], [t for _, t in serial_scan])
+        fit.update(SCAN_STEP_US=step, scan_serial_fixed_us=a)
+    if len(log_scan) >= 3:
+        a, level, per_flop = _lstsq([[1.0, lv, fl] for lv, fl, _ in log_scan], [t for *_, t in log_scan])
+        fit.update(SCAN_LEVEL_US=level, SCAN_TFLOPS=(1e-6 / per_flop if per_flop > 0 else float("inf")),
+                   scan_log_fixed_us=a)
+    if zero_fill:
+        b = sum(x for x, _ in zero_fill)
+        t = sum(y for _, y in zero_fill)
+        fit.update(HBM_GBPS=b / (t * 1e3))
+    print("\nfitted constants (paste into src/flashdelta/cp.py):")
+    for n, x in fit.items():
+        print(f"  {n} = {x:.4g}")
+
+    # ---- chosen vs best, with the shipped and the fitted constants
+    shipped = {n: getattr(cp, n) for n in fit if hasattr(cp, n)}
+    for n, x in fit.items():
+        if hasattr(cp, n):
+            setattr(cp, n, x)
+    print(f"\n{'heads':>6} {'seqlens':>10} {'off us':>9} {'best us':>9} {'best L':>6} {'ship L':>6} {'fit L':>6} "
+          f"{'auto us':>9} {'fit/best':>8}")
+    worst = 1.0
+    for r in table:
+        fit_L = cp.choose(T=r["T"], N=r["N"], HV=r["HV"], K=128, V=128, sms=sms, lengths=r["lengths"])
+        t_fit = r["api"].get(fit_L, r["off"]) if fit_L else r["off"]
+        worst = max(worst, t_fit / r["best"])
+        print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
+              f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f}")
+    print(f"worst chosen/best with the fitted constants: {worst:.3f}")
+    for n, x in shipped.items():
+        setattr(cp, n, x)
+
+
+if __name__ == "__main__":
+    main()

@@ -258,8 +258,8 @@ def chunk_gated_delta_rule(
             partition length in chunks >= 2), default ``auto``: a cost model splits where it predicts a gain on a
             native (GPU) backend, from the shapes and the host lengths (cu_seqlens_cpu, or the validated copy of
             cu_seqlens). False: never. True: always, at the cost model's partition length. An int >= 1: partitions
-            of that many chunks. Where the backend's forward cannot run the value width K + V (SM90: K = V = 128
-            only), the serial path runs. The backward is serial either way.
+            of that many chunks. CP runs the forward's own kernels (value widths V and K, every SM90 head dim); where
+            the backend lacks one, the serial path runs. The backward is serial either way.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.

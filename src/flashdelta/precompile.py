@@ -39,12 +39,13 @@ def _check(kset, heads: list, head_dim: tuple, dtype, beta_dtype, h0_dtype, scal
 def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torch.bfloat16,
              beta_dtype=torch.float32, h0_dtype=torch.float32, scale: Optional[float] = None,
              initial_state: tuple = (False, True), state_v_first: tuple = (False,), qk_l2norm: bool = True,
-             num_sms: Optional[int] = None, backward: bool = False) -> list:
+             num_sms: Optional[int] = None, backward: bool = False, decode: bool = False) -> list:
     """(label, builder, args) for every kernel the forward of these head configs launches (with qk_l2norm, the
     q/k normalisation of ``use_qk_l2norm_in_kernel=True`` too; with backward, the SM90 kernels the backward adds).
     beta / h0 dtypes the kernels lack (float64) build the fp32 kernels the forward runs them with. num_sms: the GPU's
     SM count, which sizes the persistent prepare kernel's grid (default: this machine's GPU, else 132 as on H100
-    SXM / H200)."""
+    SXM / H200). With decode, the decode kernel's builds too (`fused_recurrent_gated_delta_rule`: dense and varlen,
+    with the final state)."""
     kset = sm90.KERNELS
     heads = [tuple(h) for h in heads]
     _check(kset, heads, head_dim, dtype, beta_dtype, h0_dtype, scale, num_sms)
@@ -53,7 +54,8 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
                 h0_dtype=kset.param_dtype(h0_dtype), scale=K ** -0.5 if scale is None else float(scale),
                 initial_state=initial_state, state_v_first=state_v_first)
     out = sm90.forward_builds(heads, **opts, qk_l2norm=qk_l2norm, num_sms=num_sms)
-    return out + (sm90.backward_builds(heads, **opts) if backward else [])
+    out += sm90.backward_builds(heads, **opts) if backward else []
+    return out + (sm90.decode_builds(heads, **opts, qk_l2norm=qk_l2norm) if decode else [])
 
 
 def warmup(heads: Iterable[tuple], *, progress: bool = True, **kwargs) -> float:

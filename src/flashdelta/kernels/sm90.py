@@ -1,6 +1,7 @@
 """The SM90 kernel set: which stages the Hopper kernels implement, their limits, and every kernel build a pass
 launches for given heads, dims, dtypes and options (`forward_builds`, `backward_builds`, read off the launchers' own
-`launcher_builds` tables: what `flashdelta.precompile` compiles and the CPU test tier checks).
+`launcher_builds` tables: what `flashdelta.precompile` compiles and the CPU test tier checks), and the decode
+kernel's builds (`decode_builds`).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..stages import ANY, KernelSet, Stage
-from . import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
+from . import chunk_bwd, decode, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
 
 # (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
 HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
@@ -70,3 +71,18 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
             # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
             out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
     return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]
+
+
+def decode_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
+                  h0_dtype: torch.dtype, scale: float, initial_state: tuple = (True,), state_v_first: tuple = (False,),
+                  qk_l2norm: bool = True, varlen: tuple = (False, True)) -> list:
+    """(label, builder, args) of the decode kernel (`kernels.decode`, `fused_recurrent_gated_delta_rule`) for these
+    (H, HV) pairs: fp32 g, the final state written, dense and varlen input; none where the kernel lacks the head
+    dims or dtype (the portable path runs those calls)."""
+    K, V = head_dim
+    if decode.unsupported(K, V, dtype, dtype) is not None:
+        return []
+    return [b for H, HV in heads
+            for b in decode.launcher_builds(H, HV, K, V, dtype, beta_dtype=beta_dtype, scale=scale, h0_dtype=h0_dtype,
+                                            qk_l2norm=qk_l2norm, initial_state=initial_state,
+                                            state_v_first=state_v_first, varlen=varlen)]

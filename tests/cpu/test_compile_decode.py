@@ -1,0 +1,187 @@
+"""The SM90 decode kernel (`kernels.decode`) on the CPU: a few of its builds compile for sm_90a, pass the hang checks
+and keep the state in registers (no ptxas spills); the GPU tier's calls (tests/gpu/test_decode.py) reach the kernel
+launcher with the builds `recorded_builds` lists; `sm90.decode_builds` (what `flashdelta.warmup` compiles with
+decode) is the launcher's table; and the dispatch picks the kernel only where it can run.
+
+The compiles are the CI's most expensive part here (~2 s each), so only three builds compile: a model's decode step
+(dense, fp32 g, bf16 beta, l2norm, fp32 state), every option at once (varlen, V-first bf16 state, in-kernel gate with
+dt_bias, gk, gv, per-channel beta with 2 sigmoid), and the smallest (K = V = 64, fp32, no optional input).
+``python bench/dev/decode_bench.py --precompile`` compiles every build the GPU tier uses.
+"""
+import concurrent.futures
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from _builds import hang_checks  # noqa: E402
+
+from flashdelta import UnsupportedError, dispatch, fused_recurrent_gated_delta_rule, precompile, recurrent  # noqa: E402
+from flashdelta import toolkit  # noqa: E402
+from flashdelta.kernels import decode, sm90  # noqa: E402
+
+_GPU_TEST = os.path.join(os.path.dirname(__file__), "..", "gpu", "test_decode.py")
+
+
+def _gpu_tier():
+    spec = importlib.util.spec_from_file_location("gpu_test_decode", _GPU_TEST)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod            # (its dataclass looks its module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GPU = _gpu_tier()
+SCALE = 128 ** -0.5
+MODEL = decode.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16, g_dtype=torch.float32,
+                            beta_dtype=torch.bfloat16, h0_dtype=torch.float32, varlen=False, scale=SCALE,
+                            qk_l2norm=True)
+EVERY_OPTION = decode.builder_args(2, 8, 128, 128, torch.bfloat16, torch.bfloat16, g_dtype=torch.float32,
+                                   gk_dtype=torch.float32, gv_dtype=torch.bfloat16, beta_dtype=torch.float32,
+                                   beta_per_v=True, h0_dtype=torch.bfloat16, state_v_first=True, varlen=True,
+                                   scale=SCALE, qk_l2norm=True, a_log_dtype=torch.float32,
+                                   dt_bias_dtype=torch.bfloat16, beta_act=2)
+SMALLEST = decode.builder_args(2, 4, 64, 64, torch.float32, torch.float32, g_dtype=None, beta_dtype=None,
+                               h0_dtype=None, output_final_state=False, varlen=False, scale=64 ** -0.5,
+                               qk_l2norm=False)
+BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST}
+
+
+def _ptxas_report(src: str, tmp_path) -> str:
+    """ptxas' resource line for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
+    from tilelang.env import env as tl_env
+
+    cu = tmp_path / "decode.cu"
+    cu.write_text(src)
+    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "decode.cubin"), "-std=c++17", "-O3",
+           "--use_fast_math", "-DENABLE_BF16", f"-I{tl_env.TILELANG_TEMPLATE_PATH}",
+           f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """label -> the compiled kernel (or its exception), all three compiled at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(BUILDS)) as pool:
+        futures = {label: pool.submit(decode.build, *args) for label, args in BUILDS.items()}
+        return {label: f.exception() or f.result() for label, f in futures.items()}
+
+
+@pytest.mark.parametrize("label", list(BUILDS))
+def test_decode_build_compiles_without_spills(label, compiled, tmp_path):
+    kernel = compiled[label]
+    if isinstance(kernel, BaseException):
+        raise kernel
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    report = _ptxas_report(src, tmp_path)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    assert "bytes stack frame" in report and re.search(r"\b0 bytes stack frame", report), report
+
+
+def test_gpu_tier_calls_reach_the_launcher():
+    """Every GPU-tier case reaches the kernel launcher (the public function's wiring: one launch per call, beta
+    activation and gate passed through), and the three builds compiled here are among those it launches."""
+    recorded = GPU.recorded_builds()
+    by_case = {}
+    for name, args in recorded:
+        by_case.setdefault(name, []).append(args)
+    assert set(by_case) == {c.name for c in GPU.CASES}
+    assert all(len(v) == 1 for v in by_case.values())
+    args = dict((name, a[0]) for name, a in by_case.items())
+    assert args["gate-nobias-negeig-channel-vfirst"][-3:] == ("float32", None, 2)       # A_log, dt_bias, 2 sigmoid
+    assert args["gate-bias-sigmoid-T4"][-3:] == ("float32", "bfloat16", 1)
+    assert args["decode-nofinal-fp64-params"][9] == "float32" and args["decode-nofinal-fp64-params"][11] == "float32"
+    assert args["bare-k64-fp16"][6:12] == (None, None, None, None, False, None)
+    assert args["decode-bf16-gva2"] == MODEL
+
+
+def test_decode_builds_are_the_launchers_table():
+    """`sm90.decode_builds` (behind ``precompile.variants(decode=True)``) lists `decode.launcher_builds`, dense and
+    varlen, with and without the initial state; none for head dims the kernel lacks."""
+    todo = precompile.variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, decode=True)
+    dec = [(label, b, a) for label, b, a in todo if b is decode.build]
+    assert len(dec) == 4 and {a[14] for _, _, a in dec} == {False, True}                  # varlen off / on
+    assert MODEL in [a for _, _, a in dec]
+    assert sm90.decode_builds([(2, 4)], head_dim=(128, 256), dtype=torch.bfloat16, beta_dtype=torch.float32,
+                              h0_dtype=torch.float32, scale=1.0)
+    assert sm90.decode_builds([(2, 4)], head_dim=(256, 256), dtype=torch.bfloat16, beta_dtype=torch.float32,
+                              h0_dtype=torch.float32, scale=1.0) == []
+    assert not [b for _, b, _ in precompile.variants([(2, 4)]) if b is decode.build]
+
+
+def test_unsupported():
+    assert decode.unsupported(128, 128, torch.bfloat16, torch.bfloat16) is None
+    assert decode.unsupported(64, 256, torch.float32, torch.float16) is None
+    assert "K=256" in decode.unsupported(256, 128, torch.bfloat16, torch.bfloat16)
+    assert "V=48" in decode.unsupported(128, 48, torch.bfloat16, torch.bfloat16)
+    assert "float64" in decode.unsupported(128, 128, torch.float64, torch.float64)
+    with pytest.raises(AssertionError):
+        decode.build.get_tir(*SMALLEST[:2], 96, *SMALLEST[3:])
+
+
+def _x(**kw):
+    x = dict(q=torch.randn(1, 3, 2, 64), k=torch.randn(1, 3, 2, 64), v=torch.randn(1, 3, 4, 64),
+             g=-torch.rand(1, 3, 4), beta=torch.rand(1, 3, 4))
+    x.update(kw)
+    return x
+
+
+def test_dispatch(monkeypatch):
+    """The kernel runs on an SM90 device for forward-only calls of supported shapes; the PyTorch path otherwise
+    (torch forced, not SM90, an input requiring grad, unsupported head dims with one warning); a forced sm90 that
+    cannot run raises."""
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    q, v = torch.zeros(1, 1, 2, 128), torch.zeros(1, 1, 4, 128)
+    path = recurrent._kernel_path
+    assert not path(q, v, False, (q, v))                                    # CPU, auto
+    monkeypatch.setattr(dispatch, "native_backend", lambda device: "sm90")
+    assert path(q, v, False, (q, v))
+    assert not path(q, v, True, (q, v))                                     # requires grad
+    recurrent._warned.clear()
+    q32, v32 = torch.zeros(1, 1, 2, 32), torch.zeros(1, 1, 4, 32)
+    with pytest.warns(UserWarning, match="K=32"):
+        assert not path(q32, v32, False, (q32, v32))
+    assert not path(q32, v32, False, (q32, v32))                            # warned once
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "torch")
+    assert not path(q, v, False, (q, v))
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "sm90")
+    with pytest.raises(UnsupportedError, match="SM90"):                     # a CPU tensor
+        path(q, v, False, (q, v))
+    monkeypatch.setenv(dispatch.ENV_ARCH, "sm_90a")
+    cuda = torch.device("cuda", 0)                                          # stand-ins for CUDA tensors
+
+    def on_cuda(x):
+        return types.SimpleNamespace(device=cuda, shape=x.shape, dtype=x.dtype)
+
+    assert path(on_cuda(q), on_cuda(v), False, ())
+    with pytest.raises(UnsupportedError, match="forward only"):
+        path(on_cuda(q), on_cuda(v), True, ())
+    with pytest.raises(UnsupportedError, match="K=32"):
+        path(on_cuda(q32), on_cuda(v32), False, ())
+
+
+def test_kernel_path_does_not_read_cu_seqlens(monkeypatch):
+    """On the kernel path cu_seqlens' values are never read on the host (no device-to-host copy): a malformed one
+    reaches the launcher, while the PyTorch path rejects it."""
+    bad = torch.tensor([0, 5, 2], dtype=torch.int32)
+    seen = []
+    monkeypatch.setattr(recurrent, "_kernel_path", lambda *a: True)
+    monkeypatch.setattr(decode, "fused_recurrent_fwd", lambda *a, **k: seen.append(a[8]) or (None, None))
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: pytest.fail("cu_seqlens read on the host"))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("cu_seqlens read on the host"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("cu_seqlens read on the host"))
+    fused_recurrent_gated_delta_rule(**_x(), cu_seqlens=bad)
+    assert seen and seen[0] is bad
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fused_recurrent_gated_delta_rule(**_x(), cu_seqlens=bad)

@@ -10,17 +10,20 @@ One CTA per (sequence, value head, V slice of `BV` = 32 columns), one warp: thre
 gates and beta converted on load)::
 
     d    = exp(g + gk[k] + gv[v])                     (each term optional; d = 1 without any)
+    k^, q^ = rk k, rq q,  rk = rsqrt(|k|^2 + 1e-6)    (use_qk_l2norm_in_kernel; else rk = rq = 1)
     Sd   = d S
-    rk   = rsqrt(|k|^2 + 1e-6), rq likewise          (use_qk_l2norm_in_kernel; else 1)
-    u    = beta (v - rk Sd^T k)                       (beta scalar or per value channel)
-    S    = Sd + (rk k) u^T
-    o    = scale rq (Sd^T q + rk (k . q) u)           (= scale S^T (rq q), with no second pass over S)
+    u    = beta (v - Sd^T k^)                         (beta 1, per head or per value channel)
+    S    = Sd + k^ u^T
+    o    = scale Sd^T q^ + scale (k^ . q^) u         (= scale S^T q^, with no third pass over S)
 
-Every thread reads the token's whole q and k (16-byte loads of one address per warp: broadcasts) and computes the
-norms and ``k . q`` itself, so the kernel has no shared memory and no barrier. ``Sd^T k``, ``Sd^T q`` and the norms
-come from one pass over K; the rank-1 update is a second pass that reads k again (an L1 hit). With
-``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x) = x above 20,
-as torch and `flashdelta.gates.gdn_gate`); with a beta activation, beta is ``sigmoid`` or ``2 sigmoid`` of the logits.
+The warp loads the token's q and k once (K / 32 elements per lane), reduces ``|k|^2``, ``|q|^2`` and ``k . q`` by
+shuffles, and stores k^, scale q^ (and ``exp(gk)``) to shared memory, which every thread then reads as broadcasts.
+Each thread makes two passes over its K registers: ``Sd`` with ``Sd^T k^`` and ``Sd^T q^``, then the rank-1 update.
+A CTA barrier (one warp: cheap) sits before each shared-memory write and read phase, and one before the second pass,
+so that ptxas reads k^ from shared memory again instead of keeping K more registers live from the first pass (that
+spilled). With ``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x)
+= x above 20, as torch and `flashdelta.gates.gdn_gate`); with a beta activation, beta is ``sigmoid`` or ``2 sigmoid``
+of the logits.
 
 State tiles load and store coalesced: in the ``[N, HV, K, V]`` layout a warp reads one 128-byte row segment per K
 row; in the ``[N, HV, V, K]`` layout (state_v_first) each thread moves its own row in 16-byte vectors.
@@ -166,7 +169,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
             sc[3] = sc[1] * (sc[2] - acc[3])                                  # u
             o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
             # ---- pass 2: S = Sd + k u^T ----
-            # (a barrier: k_s is read again rather than kept in K more registers from pass 1, which spills)
+            # (the barrier makes ptxas read k_s again rather than keep K more registers live from pass 1: spills)
             T.sync_threads()
             for kk in T.unroll(K):
                 s[kk] = s[kk] + k_s[kk] * sc[3]

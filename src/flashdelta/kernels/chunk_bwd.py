@@ -22,9 +22,16 @@ from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]``, one row per 
          Mx = Pg o (dO Vd^T) + dAb o A o beta_j;  row len-1 also gets the R-term's total and e_L <dS1, S0>
     dS0 = e_L dS1 + K^T dU + scale Q^T D dO
 
+Loads: q, k and dO arrive by TMA at the start of the chunk; v and A for chunk c - 1 are issued by TMA as soon
+as chunk c has consumed its tiles (after A^T dA A^T), so they arrive under the rest of chunk c; rows past the end
+are zeroed in shared memory after the wait. GEMMs run on both warpgroups (each takes half the output columns) and
+independent ones are issued together (`T.wgmma_gemm`) and waited for once.
+
 The gate path (Gamma, R, D, the dG and dbeta reductions) is fp32 throughout; row and column sums are fragment
-reductions (no transpose through 16-bit shared memory). dq and dk are written per value head in fp32 (the GVA
-group sum follows), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout.
+reductions (no transpose through 16-bit shared memory). The dG row terms over V and K (dU o U, the R-term, the dq
+term) accumulate in one fragment and are reduced once; the chunk total that the last row gets is a per-thread
+partial sum, reduced by warp shuffles. dq and dk are written per value head in fp32 (the GVA group sum follows),
+dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout.
 
 Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
 below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence, value head), sequence
@@ -95,6 +102,16 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         if tx < BT:
             vec_s[row, tx] = part_s[0, tx] + part_s[1, tx] + part_s[2, tx] + part_s[3, tx]
 
+    @T.macro
+    def load_va(c, bos, i_hv, tx, v, A, v_s, a_s, bar_va):
+        # one warp issues the TMA copies of chunk c's v and A tiles (all 64 rows; rows past the end are zeroed after
+        # the wait) and arrives on bar_va
+        t0 = bos + c * BT
+        if tx < 32:
+            T.tma_copy(v[0, t0:t0 + BT, i_hv, 0:V], v_s, barrier=bar_va[0])
+            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s, barrier=bar_va[0])
+            T.barrier_arrive(bar_va[0])
+
     @T.prim_func
     def chunk_bwd_kernel(
         q: T.Tensor((1, T_, H, K), dtype),
@@ -140,8 +157,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             eg_s = T.alloc_shared((BT,), acc)               # exp(G)
             r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
             vec_s = T.alloc_shared((NVEC + 1, BT), acc)     # per-row partial sums of dG and dbeta
-            tot_s = T.alloc_shared((V + BT,), acc)          # <dS1, S0> per row of dS^T, and the R-term per row
             part_s = T.alloc_shared((THREADS // BT, BT), acc)   # column sums' quarter partials
+            wsum_s = T.alloc_shared((THREADS // 32,), acc)  # per-warp parts of the chunk total
+            bar_in = T.alloc_barrier([32])                  # q, k, dO of the chunk (TMA)
+            bar_va = T.alloc_barrier([32])                  # v, A of the chunk (TMA, issued one chunk early)
 
             ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
             u_f = T.alloc_fragment((BT, V), acc)
@@ -157,21 +176,18 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             dl_f = T.alloc_fragment((BT, BT), acc)
             mx_f = T.alloc_fragment((BT, BT), acc)
             kk_f = T.alloc_fragment((BT, BT), acc)
-            rk_f = T.alloc_fragment((BT, K), acc)
-            rv_f = T.alloc_fragment((BT, V), acc)
-            rvk_f = T.alloc_fragment((V, K), acc)
+            x2_f = T.alloc_fragment((BT, BT), acc)
             rbt_f = T.alloc_fragment((BT, BT), acc)
+            rs_f = T.alloc_fragment((BT, V), acc)           # dG row terms: dU o U - K o R-term + Q o (scale D dO S0^T)
             # one output fragment per reduction: its layout follows the reduced fragment's
             red_u = T.alloc_fragment((BT,), acc)
-            red_r = T.alloc_fragment((BT,), acc)
-            red_q = T.alloc_fragment((BT,), acc)
             red_mr = T.alloc_fragment((BT,), acc)
             red_l = T.alloc_fragment((BT,), acc)
-            vrow_f = T.alloc_fragment((V,), acc)
             # in-place shared updates go through registers (read all, then write all: one barrier, not one per row)
             w_f = T.alloc_fragment((BT, V), dtype)
             qd_f = T.alloc_fragment((BT, K), dtype)
             tot = T.alloc_local((1,), acc)
+            tsum = T.alloc_local((1,), acc)                 # this thread's part of the chunk total
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
@@ -203,172 +219,182 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                 else:
                     T.clear(ds_f)
 
+                if NT > 0:
+                    # v and A of the last chunk; later chunks' arrive while the chunk before them runs
+                    load_va(NT - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
+
                 for cc in T.serial(NT):
                     c = NT - 1 - cc
                     t0 = bos + c * BT
                     ln = T.min(eos - t0, BT)
                     s64 = T.cast(slot0 + c, "int64")
 
-                    # ---- loads: rows >= ln are zero (g: G[ln - 1], beta: 0) ----
-                    for i, j in T.Parallel(BT, K):
-                        q_s[i, j] = T.if_then_else(i < ln, q[0, T.cast(t0 + i, "int64"), i_h, j], T.cast(0, dtype))
-                        k_s[i, j] = T.if_then_else(i < ln, k[0, T.cast(t0 + i, "int64"), i_h, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(BT, V):
-                        v_s[i, j] = T.if_then_else(i < ln, v[0, T.cast(t0 + i, "int64"), i_hv, j], T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < ln, do[0, T.cast(t0 + i, "int64"), i_hv, j],
-                                                    T.cast(0, dtype))
-                    for i, j in T.Parallel(BT, BT):
-                        a_s[i, j] = T.if_then_else(i < ln, A[0, T.cast(t0 + i, "int64"), i_hv, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(V, K):
-                        # S0^T read once: the GEMM operand and, in fp32, the e_L <dS1, S0> term (the last row's dG)
-                        hv = h[s64, i_hv, i, j]
-                        h_s[i, j] = T.cast(hv, dtype)
-                        rvk_f[i, j] = ds_f[i, j] * hv
+                    # ---- loads: q, k, dO by TMA now (v, A were issued during the chunk after); rows >= ln zeroed
+                    # below (g: G[ln - 1], beta: 0) ----
+                    T.sync_threads()
+                    if tx < 32:
+                        T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s, barrier=bar_in[0])
+                        T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s, barrier=bar_in[0])
+                        T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=bar_in[0])
+                        T.barrier_arrive(bar_in[0])
                     for i in T.Parallel(BT):
                         g_s[i] = g[0, T.cast(t0 + T.min(i, ln - 1), "int64"), i_hv]
                         b_s[i] = T.if_then_else(i < ln, T.cast(beta[0, T.cast(t0 + i, "int64"), i_hv], acc), 0.0)
                     for i in T.Parallel(BT):
                         eg_s[i] = T.exp2(g_s[i] * LOG2E)
                         r_s[i] = T.exp2((g_s[BT - 1] - g_s[i]) * LOG2E)
-                    T.reduce_sum(rvk_f, vrow_f, dim=1)
-                    for i in T.Parallel(V):
-                        tot_s[i] = vrow_f[i]
+                    tsum[0] = 0.0
+                    for i, j in T.Parallel(V, K):
+                        # S0^T read once: the GEMM operand and, in fp32, the e_L <dS1, S0> term of the chunk total
+                        hv = h[s64, i_hv, i, j]
+                        h_s[i, j] = T.cast(hv, dtype)
+                        tsum[0] = tsum[0] + ds_f[i, j] * hv
+                    tsum[0] = tsum[0] * eg_s[BT - 1]
+                    T.copy(ds_f, ds_s)                                                  # dS1 as a GEMM operand
+                    T.barrier_wait(bar_in[0], cc % 2)
+                    T.barrier_wait(bar_va[0], cc % 2)
+                    if ln < BT:
+                        for i, j in T.Parallel(BT, K):
+                            if i >= ln:
+                                q_s[i, j] = T.cast(0, dtype)
+                                k_s[i, j] = T.cast(0, dtype)
+                        for i, j in T.Parallel(BT, V):
+                            if i >= ln:
+                                v_s[i, j] = T.cast(0, dtype)
+                                do_s[i, j] = T.cast(0, dtype)
+                        for i, j in T.Parallel(BT, BT):
+                            if i >= ln:
+                                a_s[i, j] = T.cast(0, dtype)
                     mark(cc, "c.load")
 
-                    # ---- forward pieces: U, W, Ag, Vd, P ----
-                    T.gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True)          # U = K S0   [BT, K] @ [K, V]
+                    # ---- forward pieces: U, P, and K dS1 issued together; then W, Ag, Pg; Vd, dVd ----
+                    T.wgmma_gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True)    # U = K S0   [BT, K] @ [K, V]
+                    T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T  [BT, K] @ [K, BT]
+                    T.wgmma_gemm(k_s, ds_s, dvd_f, transpose_B=True, clear_accum=True)  # K dS1     [BT, K] @ [K, V]
+                    T.wait_wgmma(0)
                     for i, j in T.Parallel(BT, V):
                         w_f[i, j] = T.cast(T.cast(v_s[i, j], acc) - eg_s[i] * u_f[i, j], dtype)   # W = V - D U
+                        dvd_f[i, j] = dvd_f[i, j] * r_s[i]
+                    for i, j in T.Parallel(BT, BT):
+                        gam = gamma(g_s, i, j)
+                        ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gam * b_s[j], dtype)
+                        pg_s[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
                     T.copy(w_f, v_s)
-                    for i, j in T.Parallel(BT, BT):
-                        ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gamma(g_s, i, j) * b_s[j], dtype)
-                    T.gemm(ag_s, v_s, vd_f, clear_accum=True)                           # Vd = Ag W  [BT, BT] @ [BT, V]
+                    T.wgmma_gemm(ag_s, v_s, vd_f, clear_accum=True)                    # Vd = Ag W  [BT, BT] @ [BT, V]
+                    T.wgmma_gemm(pg_s, do_s, dvd_f, transpose_A=True)                   # += Pg^T dO [BT, BT] @ [BT, V]
+                    T.wait_wgmma(0)
                     T.copy(vd_f, vd_s)
-                    T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)          # P = Q K^T  [BT, K] @ [K, BT]
-                    for i, j in T.Parallel(BT, BT):
-                        pg_s[i, j] = T.cast(p_f[i, j] * gamma(g_s, i, j) * scale, dtype)
+                    T.copy(dvd_f, dvd_s)
                     mark(cc, "c.fwd")
 
-                    # ---- dS1 as a GEMM operand ----
-                    T.copy(ds_f, ds_s)
-
-                    # ---- value path: dVd, dv, dU ----
-                    T.gemm(k_s, ds_s, dvd_f, transpose_B=True, clear_accum=True)       # K dS1      [BT, K] @ [K, V]
-                    for i, j in T.Parallel(BT, V):
-                        dvd_f[i, j] = dvd_f[i, j] * r_s[i]
-                    T.gemm(pg_s, do_s, dvd_f, transpose_A=True)                         # += Pg^T dO [BT, BT] @ [BT, V]
-                    T.copy(dvd_f, dvd_s)
-                    T.gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)      # dv = Ag^T dVd
+                    # ---- value path: dv, dAg, dU; the dG row terms accumulate in rs_f ----
+                    T.wgmma_gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)  # dv = Ag^T dVd
+                    T.wgmma_gemm(dvd_s, v_s, dag_f, transpose_B=True, clear_accum=True)  # dAg = dVd W^T
+                    T.wait_wgmma(0)
                     for i, j in T.Parallel(BT, V):
                         if i < ln:
                             dv[0, T.cast(t0 + i, "int64"), i_hv, j] = T.cast(dv_f[i, j], dtype)
-                    T.gemm(dvd_s, v_s, dag_f, transpose_B=True, clear_accum=True)      # dAg = dVd W^T [BT, V] @ [V, BT]
                     for i, j in T.Parallel(BT, V):
-                        rv_f[i, j] = -eg_s[i] * dv_f[i, j] * u_f[i, j]                  # dU o U
+                        rs_f[i, j] = -eg_s[i] * dv_f[i, j] * u_f[i, j]                  # dU o U
                         dvd_s[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)              # dU = -D dv
-                    T.reduce_sum(rv_f, red_u, dim=1)
-                    for i in T.Parallel(BT):
-                        vec_s[0, i] = red_u[i]
                     mark(cc, "c.dv")
 
-                    # ---- R Vd dS1^T (dk's first term) and its dG term ----
-                    T.gemm(vd_s, ds_s, dk_f, clear_accum=True)                          # Vd dS1^T   [BT, V] @ [V, K]
-                    for i, j in T.Parallel(BT, K):
-                        dk_f[i, j] = dk_f[i, j] * r_s[i]
-                        rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
-                    T.reduce_sum(rk_f, red_r, dim=1)
-                    for i in T.Parallel(BT):
-                        vec_s[1, i] = red_r[i]
-                        tot_s[V + i] = red_r[i]
-                    mark(cc, "c.dk1")
-
-                    # ---- through the inverse: dAb, dA, dL ----
+                    # ---- R Vd dS1^T (dk's first term), dPg = dO Vd^T; the inverse's dAb, dA ----
+                    T.wgmma_gemm(vd_s, ds_s, dk_f, clear_accum=True)                    # Vd dS1^T   [BT, V] @ [V, K]
+                    T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T [BT, V] @ [V, BT]
                     for i, j in T.Parallel(BT, BT):
                         dab = gamma(g_s, i, j) * dag_f[i, j]
                         da_s[i, j] = T.cast(dab * b_s[j], dtype)
                         daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(BT, K):
+                        dk_f[i, j] = dk_f[i, j] * r_s[i]
+                        rs_f[i, j] = rs_f[i, j] - dk_f[i, j] * T.cast(k_s[i, j], acc)
+                        tsum[0] = tsum[0] + dk_f[i, j] * T.cast(k_s[i, j], acc)
+                    mark(cc, "c.dk1")
+
                     colsum(daba_f, dat_s, part_s, vec_s, 6, tx, tot)
-                    T.gemm(a_s, da_s, x_f, transpose_A=True, clear_accum=True)         # A^T dA     [BT, BT] @ [BT, BT]
-                    T.copy(x_f, pg_s)
+                    T.gemm(a_s, da_s, x2_f, transpose_A=True, clear_accum=True)        # A^T dA     [BT, BT] @ [BT, BT]
+                    for i, j in T.Parallel(BT, BT):
+                        gam = gamma(g_s, i, j)
+                        mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j] + daba_f[i, j] * b_s[j]
+                        da_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)               # dP
+                    T.copy(x2_f, pg_s)
                     T.gemm(pg_s, a_s, dl_f, transpose_B=True, clear_accum=True)        # (A^T dA) A^T
+                    if c > 0:
+                        # A is consumed: the previous chunk's v and A load under the rest of this chunk
+                        T.sync_threads()
+                        load_va(c - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
                     for i, j in T.Parallel(BT, BT):
                         dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
                     mark(cc, "c.inv")
 
-                    # ---- output path: dP, Mx ----
-                    T.gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)        # dPg = dO Vd^T [BT, V] @ [V, BT]
-                    for i, j in T.Parallel(BT, BT):
-                        gam = gamma(g_s, i, j)
-                        da_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)               # dP
-                        mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j] + daba_f[i, j] * b_s[j]
                     T.reduce_sum(mx_f, red_mr, dim=1)
                     for i in T.Parallel(BT):
                         vec_s[2, i] = red_mr[i]
                     colsum(mx_f, dat_s, part_s, vec_s, 3, tx, tot)
                     mark(cc, "c.dp")
 
-                    # ---- dq = scale D dO S0^T + dP K ----
-                    T.gemm(do_s, h_s, dq_f, clear_accum=True)                           # dO S0^T    [BT, V] @ [V, K]
+                    # ---- dq = scale D dO S0^T + dP K; dk += dU S0^T + dP^T Q ----
+                    T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True)                     # dO S0^T    [BT, V] @ [V, K]
+                    T.wgmma_gemm(dvd_s, h_s, dk_f)                                      # dU S0^T    [BT, V] @ [V, K]
+                    T.wgmma_gemm(da_s, q_s, dk_f, transpose_A=True)                     # dP^T Q     [BT, BT] @ [BT, K]
+                    T.wait_wgmma(0)
                     for i, j in T.Parallel(BT, K):
                         dq_f[i, j] = dq_f[i, j] * (eg_s[i] * scale)
-                        rk_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], acc)
-                    T.reduce_sum(rk_f, red_q, dim=1)
-                    for i in T.Parallel(BT):
-                        vec_s[4, i] = red_q[i]
+                        rs_f[i, j] = rs_f[i, j] + dq_f[i, j] * T.cast(q_s[i, j], acc)
                     T.gemm(da_s, k_s, dq_f)                                             # += dP K    [BT, BT] @ [BT, K]
                     for i, j in T.Parallel(BT, K):
                         if i < ln:
                             dq[0, T.cast(t0 + i, "int64"), i_hv, j] = dq_f[i, j]
                     mark(cc, "c.dq")
 
-                    # ---- dk += dU S0^T + dP^T Q + (dAt + dAt^T) K ----
-                    T.gemm(dvd_s, h_s, dk_f)                                            # dU S0^T    [BT, V] @ [V, K]
-                    T.gemm(da_s, q_s, dk_f, transpose_A=True)                           # dP^T Q     [BT, BT] @ [BT, K]
+                    # ---- dk += (dAt + dAt^T) K, dAt = diag(beta) dL ----
                     for i, j in T.Parallel(BT, BT):
                         dat_s[i, j] = b_s[i] * dl_f[i, j]
                     for i, j in T.Parallel(BT, BT):
                         pg_s[i, j] = T.cast(dat_s[i, j] + dat_s[j, i], dtype)
-                    T.gemm(pg_s, k_s, dk_f)                                             # (dAt + dAt^T) K
+                    T.wgmma_gemm(pg_s, k_s, dk_f)                                       # (dAt + dAt^T) K
+                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)   # K K^T      [BT, K] @ [K, BT]
+                    T.wait_wgmma(0)
                     for i, j in T.Parallel(BT, K):
                         if i < ln:
                             dk[0, T.cast(t0 + i, "int64"), i_hv, j] = dk_f[i, j]
                     mark(cc, "c.dk")
 
-                    # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T) ----
-                    T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)         # K K^T      [BT, K] @ [K, BT]
+                    # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T); dG rows (the last real row also gets the
+                    # chunk total e_L <dS1, S0> + the R-term's sum) ----
                     for i, j in T.Parallel(BT, BT):
                         rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
                     T.reduce_sum(rbt_f, red_l, dim=1)
+                    T.reduce_sum(rs_f, red_u, dim=1)
                     for i in T.Parallel(BT):
                         vec_s[5, i] = red_l[i]
-
-                    # ---- dG and dbeta rows (the last real row also gets the chunk totals) ----
-                    if tx < 32:
-                        # the chunk totals e_L sum <dS1, S0> + sum of the R-term, one warp (shuffle reduction)
+                        vec_s[0, i] = red_u[i]
+                    tsum[0] = T.warp_reduce_sum(tsum[0])
+                    if tx % 32 == 0:
+                        wsum_s[tx // 32] = tsum[0]
+                    T.sync_threads()
+                    if tx == 0:
                         tot[0] = 0.0
-                        for i in T.serial(V // 32):
-                            tot[0] = tot[0] + tot_s[i * 32 + tx]
-                        tot[0] = tot[0] * eg_s[BT - 1]
-                        for i in T.serial(BT // 32):
-                            tot[0] = tot[0] + tot_s[V + i * 32 + tx]
-                        tot[0] = T.warp_reduce_sum(tot[0])
-                        if tx == 0:
-                            vec_s[1, ln - 1] = vec_s[1, ln - 1] - tot[0]
+                        for i in T.serial(THREADS // 32):
+                            tot[0] = tot[0] + wsum_s[i]
+                        vec_s[0, ln - 1] = vec_s[0, ln - 1] + tot[0]
                     for i in T.Parallel(BT):
                         if i < ln:
-                            dg[0, T.cast(t0 + i, "int64"), i_hv] = (vec_s[0, i] + vec_s[4, i] - vec_s[1, i]
-                                                                    + vec_s[2, i] - vec_s[3, i])
+                            dg[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[0, i] + vec_s[2, i] - vec_s[3, i]
                             dbeta[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[5, i] + vec_s[6, i]
                     mark(cc, "c.rows")
 
-                    # ---- dS0^T = e_L dS1^T + dU^T K + (scale D Q)^T... as dO^T (scale D Q) ----
+                    # ---- dS0^T = e_L dS1^T + dU^T K + dO^T (scale D Q) ----
                     for i, j in T.Parallel(V, K):
                         ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
-                    T.gemm(dvd_s, k_s, ds_f, transpose_A=True)                          # dU^T K     [V, BT] @ [BT, K]
                     for i, j in T.Parallel(BT, K):
                         qd_f[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
                     T.copy(qd_f, q_s)
-                    T.gemm(do_s, q_s, ds_f, transpose_A=True)                           # dO^T (scale D Q)
+                    T.wgmma_gemm(dvd_s, k_s, ds_f, transpose_A=True)                    # dU^T K     [V, BT] @ [BT, K]
+                    T.wgmma_gemm(do_s, q_s, ds_f, transpose_A=True)                     # dO^T (scale D Q)
+                    T.wait_wgmma(0)
                     mark(cc, "c.ds")
 
                 if state_v_first:

@@ -243,6 +243,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     for i in T.Parallel(BT):
                         eg_s[i] = T.exp2(g_s[i] * LOG2E)
                         r_s[i] = T.exp2((g_s[BT - 1] - g_s[i]) * LOG2E)
+                    # every thread reads exp(G_last) below: TileLang's own barrier here covers only the 64 writers
+                    T.sync_threads()
                     tsum[0] = 0.0
                     for i, j in T.Parallel(V, K):
                         # S0^T read once: the GEMM operand and, in fp32, the e_L <dS1, S0> term of the chunk total

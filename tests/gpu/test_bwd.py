@@ -1,8 +1,9 @@
 """Stages `state_recompute` and `chunk_bwd` on a Hopper GPU against their float64 twins.
 
 `chunk_bwd` is tested on its own first: g_cumsum, A and the per-chunk states come from the float64 reference (A
-rounded as the SM90 prepare stores it, the states in fp32), so the reference, the baseline (the portable path with GEMM
-operands rounded to the input dtype) and the kernel consume the same inputs. Outputs are NaN-poisoned (conftest):
+rounded as the SM90 prepare stores it, the states as the SM90 state recompute stores them, in the input dtype), so
+the reference, the baseline (the portable path with GEMM operands rounded to the input dtype) and the kernel consume
+the same inputs. Outputs are NaN-poisoned (conftest):
 every gradient on the padding tail must be exactly 0.
 """
 import copy
@@ -63,7 +64,7 @@ def _inputs(case, seed=0):
 
 
 def _run(case, x):
-    h = slot_states(x["h"].float(), x["cu_seqlens"], x["q"].shape[1], case.state_v_first, torch.float32)
+    h = slot_states(x["h"], x["cu_seqlens"], x["q"].shape[1], case.state_v_first, case.dtype)
     return cb.chunk_bwd(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], h, x["do"], x["dht"],
                         x["cu_seqlens"], scale=x["scale"], state_v_first=case.state_v_first)
 
@@ -92,14 +93,14 @@ def test_chunk_bwd(case):
 
 @pytest.mark.parametrize("case", [c for c in cases.BWD_CASES if (c.K, c.V) in cb.HEAD_DIMS], ids=str)
 def test_state_recompute(case):
-    """The fused forward's state output: the state entering every chunk at its slot (fp32), against the float64
-    reference."""
+    """The fused forward's state output: the state entering every chunk at its slot, in the input dtype (the value
+    the forward's GEMMs read), against the float64 reference; the baseline (portable, fp32) is rounded the same way."""
     from flashdelta.kernels import fused_fwd
 
     x = _inputs(case)
     h = fused_fwd.state_recompute(x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
                                   x["cu_seqlens"], state_v_first=case.state_v_first)
-    assert h.dtype == torch.float32
+    assert h.dtype == case.dtype
     assert h.shape == (x["q"].shape[1] // BT + x["cu_seqlens"].shape[0], case.HV, case.V, case.K)
     pairs = _slots(x["cu_seqlens"])
     if not pairs:
@@ -109,7 +110,7 @@ def test_state_recompute(case):
     args = (x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"], x["cu_seqlens"])
     base = portable.state_recompute(*args, state_v_first=case.state_v_first, compute_dtype=torch.float32,
                                     operand_dtype=case.dtype)
-    base = base if case.state_v_first else base.transpose(-1, -2)
+    base = (base if case.state_v_first else base.transpose(-1, -2)).to(case.dtype)
     assert_close("h", got, want[[g for _, g in pairs]], baseline=base[[g for _, g in pairs]])
 
 

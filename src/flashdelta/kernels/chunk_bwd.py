@@ -7,7 +7,8 @@ precision is this kernel's error baseline.
 One CTA (two warpgroups) walks every chunk of one (sequence, value head), last chunk first, with all of V in the
 CTA: every K-side product of a chunk (Q K^T, K K^T, the inverse's A^T dA A^T) is formed once. The state gradient
 dS is held transposed, ``dS^T [V, K]`` fp32 in registers, for the whole walk; the state entering each chunk comes
-from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]``, one row per chunk slot, see below). Per chunk c
+from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]`` in q's dtype, one row per chunk slot, see
+below). Per chunk c
 (C = BT = 64, ``G`` the chunk-local gate cumsum, rows past the sequence end zeroed in q, k, v, dO and A and given
 ``G[len - 1]`` and beta = 0, so they are inert):
 
@@ -22,10 +23,13 @@ from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]``, one row per 
          Mx = Pg o (dO Vd^T) + dAb o A o beta_j;  row len-1 also gets the R-term's total and e_L <dS1, S0>
     dS0 = e_L dS1 + K^T dU + scale Q^T D dO
 
-Loads: q, k and dO arrive by TMA at the start of the chunk; v and A for chunk c - 1 are issued by TMA as soon
-as chunk c has consumed its tiles (after A^T dA A^T), so they arrive under the rest of chunk c; rows past the end
-are zeroed in shared memory after the wait. GEMMs run on both warpgroups (each takes half the output columns) and
-independent ones are issued together (`T.wgmma_gemm`) and waited for once.
+Loads: q, k and dO arrive by TMA at the start of the chunk. Chunk c - 1's v and A (TMA) are issued as soon as
+chunk c has consumed its tiles (after A^T dA A^T), its S0^T (TMA) after the last GEMM that reads S0^T, and its
+gates (plain loads into a second buffer) under chunk c's dq GEMMs, so they arrive under the rest of chunk c. Rows
+past the end are zeroed in shared memory after the wait. GEMMs run on both warpgroups (each takes half the output
+columns); independent ones are issued together (`T.wgmma_gemm`) and waited for once, and the dbeta / dG row work
+runs under the dS0 GEMMs. The states are in q's dtype (the values the forward's GEMMs read), so the e_L <dS1, S0>
+term of dG reads the rounded S0.
 
 The gate path (Gamma, R, D, the dG and dbeta reductions) is fp32 throughout; row and column sums are fragment
 reductions (no transpose through 16-bit shared memory). The dG row terms over V and K (dU o U, the R-term, the dq
@@ -55,16 +59,15 @@ TABLE = timeline.Table(
     "chunk_bwd",
     roles={"c": ("CTA (thread 0)", 0)},
     events={
-        "c.load": "q, k, v, dO, A, S0^T, gates in shared; e_L <dS1, S0> per row",
+        "c.load": "q, k, dO (TMA at the chunk start), v, A, S0^T, gates (issued a chunk early) in shared",
         "c.fwd": "U, W, Ag, Vd, P, Pg",
         "c.dv": "dVd, dv stored, dAg, dU, dU o U row sums",
         "c.dk1": "R Vd dS1^T and its row sums",
         "c.inv": "dAb, dA, colsum(dAb o A), A^T dA A^T",
         "c.dp": "dP, Mx, its row and column sums",
-        "c.dq": "dq stored",
-        "c.dk": "dk stored",
-        "c.rows": "K K^T, dbeta and dG rows stored",
-        "c.ds": "dS0^T",
+        "c.dq": "dq stored (the previous chunk's gates and S0^T issued)",
+        "c.dk": "K K^T, dk stored",
+        "c.ds": "dS0^T GEMMs issued, dbeta and dG rows stored under them, dS0^T complete",
     },
     ctas=8, steps=32)
 
@@ -94,7 +97,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         # column sums of a [BT, BT] fp32 fragment through fp32 shared memory (a fragment reduction over dim 0 has no
         # layout for the wgmma accumulator): each thread sums a quarter of one column, then one thread per column
         # adds the four quarters
-        T.copy(x_f, x_s)
+        for i, j in T.Parallel(BT, BT):
+            x_s[i, j] = x_f[i, j]
         tot[0] = 0.0
         for i in T.serial(BT // 4):
             tot[0] = tot[0] + x_s[(tx // BT) * (BT // 4) + i, tx % BT]
@@ -112,6 +116,21 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s, barrier=bar_va[0])
             T.barrier_arrive(bar_va[0])
 
+    @T.macro
+    def load_h(slot, i_hv, tx, h, h_s, bar_h):
+        # one warp issues the TMA copy of S0^T of the chunk at `slot` and arrives on bar_h
+        if tx < 32:
+            T.tma_copy(h[slot, i_hv, 0:V, 0:K], h_s, barrier=bar_h[0])
+            T.barrier_arrive(bar_h[0])
+
+    @T.macro
+    def load_gates(c, bos, eos, i_hv, tx, g, beta, gn_s, bn_s):
+        # chunk c's G and beta into the next-chunk buffers (rows past the end: G[len - 1] and beta = 0)
+        t0 = bos + c * BT
+        if tx < BT:
+            gn_s[tx] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
+            bn_s[tx] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
+
     @T.prim_func
     def chunk_bwd_kernel(
         q: T.Tensor((1, T_, H, K), dtype),
@@ -120,7 +139,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         g: T.Tensor((1, T_, HV), acc),
         beta: T.Tensor((1, T_, HV), beta_dtype),
         A: T.Tensor((1, T_, HV, BT), dtype),
-        h: T.Tensor((S_, HV, V, K), acc),
+        h: T.Tensor((S_, HV, V, K), dtype),
         do: T.Tensor((1, T_, HV, V), dtype),
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
@@ -151,9 +170,13 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             ag_s = T.alloc_shared((BT, BT), dtype)          # Ag
             pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then A^T dA, then dAt + dAt^T
             da_s = T.alloc_shared((BT, BT), dtype)          # dA = dAb o beta_j, then dP
-            dat_s = T.alloc_shared((BT, BT), acc)           # column sums' staging, then dAt = diag(beta) dL
+            # fp32 staging of the column sums and of dAt = diag(beta) dL; rows padded by one word so that reading a
+            # column (the transpose) is free of bank conflicts
+            dat_s = T.alloc_shared((BT, BT + 1), acc)
             g_s = T.alloc_shared((BT,), acc)                # G (rows past the end: G[len - 1])
             b_s = T.alloc_shared((BT,), acc)                # beta (0 past the end)
+            gn_s = T.alloc_shared((BT,), acc)               # G and beta of the next chunk in the walk
+            bn_s = T.alloc_shared((BT,), acc)
             eg_s = T.alloc_shared((BT,), acc)               # exp(G)
             r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
             vec_s = T.alloc_shared((NVEC + 1, BT), acc)     # per-row partial sums of dG and dbeta
@@ -161,6 +184,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             wsum_s = T.alloc_shared((THREADS // 32,), acc)  # per-warp parts of the chunk total
             bar_in = T.alloc_barrier([32])                  # q, k, dO of the chunk (TMA)
             bar_va = T.alloc_barrier([32])                  # v, A of the chunk (TMA, issued one chunk early)
+            bar_h = T.alloc_barrier([32])                   # S0^T of the chunk (TMA, issued one chunk early)
 
             ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
             u_f = T.alloc_fragment((BT, V), acc)
@@ -220,8 +244,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.clear(ds_f)
 
                 if NT > 0:
-                    # v and A of the last chunk; later chunks' arrive while the chunk before them runs
+                    # the last chunk's v, A, S0^T and gates; each later chunk's arrive while the chunk after it runs
                     load_va(NT - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
+                    load_h(T.cast(slot0 + NT - 1, "int64"), i_hv, tx, h, h_s, bar_h)
+                    load_gates(NT - 1, bos, eos, i_hv, tx, g, beta, gn_s, bn_s)
 
                 for cc in T.serial(NT):
                     c = NT - 1 - cc
@@ -229,8 +255,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     ln = T.min(eos - t0, BT)
                     s64 = T.cast(slot0 + c, "int64")
 
-                    # ---- loads: q, k, dO by TMA now (v, A were issued during the chunk after); rows >= ln zeroed
-                    # below (g: G[ln - 1], beta: 0) ----
+                    # ---- loads: q, k, dO by TMA now; v, A, S0^T (TMA) and the gates were issued during the chunk
+                    # after this one; rows >= ln are zeroed below (g: G[ln - 1], beta: 0) ----
                     T.sync_threads()
                     if tx < 32:
                         T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s, barrier=bar_in[0])
@@ -238,19 +264,16 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=bar_in[0])
                         T.barrier_arrive(bar_in[0])
                     for i in T.Parallel(BT):
-                        g_s[i] = g[0, T.cast(t0 + T.min(i, ln - 1), "int64"), i_hv]
-                        b_s[i] = T.if_then_else(i < ln, T.cast(beta[0, T.cast(t0 + i, "int64"), i_hv], acc), 0.0)
-                    for i in T.Parallel(BT):
-                        eg_s[i] = T.exp2(g_s[i] * LOG2E)
-                        r_s[i] = T.exp2((g_s[BT - 1] - g_s[i]) * LOG2E)
-                    # every thread reads exp(G_last) below: TileLang's own barrier here covers only the 64 writers
+                        g_s[i] = gn_s[i]
+                        b_s[i] = bn_s[i]
+                        eg_s[i] = T.exp2(gn_s[i] * LOG2E)
+                        r_s[i] = T.exp2((gn_s[BT - 1] - gn_s[i]) * LOG2E)
+                    # every thread reads exp(G_last) below (TileLang's own barrier here would cover only the writers)
                     T.sync_threads()
+                    T.barrier_wait(bar_h[0], cc % 2)
                     tsum[0] = 0.0
                     for i, j in T.Parallel(V, K):
-                        # S0^T read once: the GEMM operand and, in fp32, the e_L <dS1, S0> term of the chunk total
-                        hv = h[s64, i_hv, i, j]
-                        h_s[i, j] = T.cast(hv, dtype)
-                        tsum[0] = tsum[0] + ds_f[i, j] * hv
+                        tsum[0] = tsum[0] + ds_f[i, j] * T.cast(h_s[i, j], acc)         # e_L <dS1, S0>, below
                     tsum[0] = tsum[0] * eg_s[BT - 1]
                     T.copy(ds_f, ds_s)                                                  # dS1 as a GEMM operand
                     T.barrier_wait(bar_in[0], cc % 2)
@@ -341,7 +364,14 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True)                     # dO S0^T    [BT, V] @ [V, K]
                     T.wgmma_gemm(dvd_s, h_s, dk_f)                                      # dU S0^T    [BT, V] @ [V, K]
                     T.wgmma_gemm(da_s, q_s, dk_f, transpose_A=True)                     # dP^T Q     [BT, BT] @ [BT, K]
+                    if c > 0:
+                        # the previous chunk's gates load under the GEMMs
+                        load_gates(c - 1, bos, eos, i_hv, tx, g, beta, gn_s, bn_s)
                     T.wait_wgmma(0)
+                    if c > 0:
+                        # S0^T is consumed: the previous chunk's comes in under the rest of this one
+                        T.sync_threads()
+                        load_h(s64 - 1, i_hv, tx, h, h_s, bar_h)
                     for i, j in T.Parallel(BT, K):
                         dq_f[i, j] = dq_f[i, j] * (eg_s[i] * scale)
                         rs_f[i, j] = rs_f[i, j] + dq_f[i, j] * T.cast(q_s[i, j], acc)
@@ -364,6 +394,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             dk[0, T.cast(t0 + i, "int64"), i_hv, j] = dk_f[i, j]
                     mark(cc, "c.dk")
 
+                    # ---- dS0^T = e_L dS1^T + dU^T K + dO^T (scale D Q), issued here and waited for after the rows
+                    # below (which touch neither dS nor q, k, dO) ----
+                    for i, j in T.Parallel(V, K):
+                        ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
+                    for i, j in T.Parallel(BT, K):
+                        qd_f[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
+                    T.copy(qd_f, q_s)
+                    T.wgmma_gemm(dvd_s, k_s, ds_f, transpose_A=True)                    # dU^T K     [V, BT] @ [BT, K]
+                    T.wgmma_gemm(do_s, q_s, ds_f, transpose_A=True)                     # dO^T (scale D Q)
                     # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T); dG rows (the last real row also gets the
                     # chunk total e_L <dS1, S0> + the R-term's sum) ----
                     for i, j in T.Parallel(BT, BT):
@@ -386,16 +425,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         if i < ln:
                             dg[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[0, i] + vec_s[2, i] - vec_s[3, i]
                             dbeta[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[5, i] + vec_s[6, i]
-                    mark(cc, "c.rows")
 
-                    # ---- dS0^T = e_L dS1^T + dU^T K + dO^T (scale D Q) ----
-                    for i, j in T.Parallel(V, K):
-                        ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
-                    for i, j in T.Parallel(BT, K):
-                        qd_f[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
-                    T.copy(qd_f, q_s)
-                    T.wgmma_gemm(dvd_s, k_s, ds_f, transpose_A=True)                    # dU^T K     [V, BT] @ [BT, K]
-                    T.wgmma_gemm(do_s, q_s, ds_f, transpose_A=True)                     # dO^T (scale D Q)
                     T.wait_wgmma(0)
                     mark(cc, "c.ds")
 
@@ -431,7 +461,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; v, do: ``[1, T, HV, V]`` (do is cast to v's dtype); (K, V) in `HEAD_DIMS`.
         g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
-        h: ``[slots, HV, V, K]`` fp32: the transposed state entering each chunk slot, from this backend's
+        h: ``[slots, HV, V, K]`` in q's dtype: the transposed state entering each chunk slot, from this backend's
             `state_recompute`.
         dht: gradient of the final state, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) fp32, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
@@ -446,7 +476,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     N = cu_seqlens.shape[0] - 1
     assert chunk_size == BT and (K, V) in HEAD_DIMS and HV % H == 0
     assert q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
-    assert g_cumsum.dtype == torch.float32 and h.dtype == torch.float32 and h.shape[1:] == (HV, V, K)
+    assert g_cumsum.dtype == torch.float32 and h.dtype == q.dtype and h.shape[1:] == (HV, V, K)
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dq = _tl.alloc((1, T_, HV, K), torch.float32, dev)

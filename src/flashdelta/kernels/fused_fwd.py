@@ -85,8 +85,9 @@ TABLE = timeline.Table(
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
           has_initial_state: bool, state_v_first: bool, save_states: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
-    write the state entering every chunk, ``S0^T`` in fp32 to ``hs [slots, HV, V, K]`` at the chunk's slot
-    (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for the backward."""
+    write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
+    ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
+    the backward."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -103,7 +104,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     N_ = T.dynamic("N")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
-    hs_t = T.Tensor((T.dynamic("S"), HV, V, K), acc) if save_states else None
+    hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
@@ -128,11 +129,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot, i_hv, v0):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
-        # is pending; on exit the Y Ae^T group is pending. With save_states S0^T also goes to hs[slot].
+        # is pending; on exit the Y Ae^T group is pending. With save_states S0^T (as the GEMMs read it) also goes to
+        # hs[slot].
+        T.copy(s_f, sb_f)
         if save_states:
             for i, j in T.Parallel(BV, K):
-                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = s_f[i, j]
-        T.copy(s_f, sb_f)
+                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = sb_f[i, j]
         T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
@@ -481,7 +483,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
     """The state entering every chunk, for `chunk_bwd` (docs/stages.md `state_recompute`; the SM90 layout is private
-    to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` fp32, the transposed state ``S0^T`` of
+    to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` in q's dtype, the transposed state ``S0^T`` of
     chunk c of sequence n at slot ``cu_seqlens[n] // BT + n + c`` (slots no chunk owns are not written). Runs the
     fused forward with its state output on (o is computed with k in q's place and dropped)."""
     _, h, _ = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
@@ -506,7 +508,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     ht = _tl.alloc(state_shape, torch.float32, dev)
     hs = None
     if save_states:
-        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), torch.float32, dev)
+        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), q.dtype, dev)
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()

@@ -11,9 +11,11 @@ Neither op reads device data on the host (no `.item()`, `.tolist()`), so `torch.
 traces through them and CUDA graphs can capture the Hopper path. The portable backend itself reads
 `cu_seqlens` on the host (its loop over sequences is in Python).
 
-The forward op's last argument is the context-parallel code from `cp.decide` (0: serial; L > 0: partitions of L
-chunks; `cp.CP_AUTO` / `cp.CP_ON`: decided here from the concrete shapes). The CP forward gives the same o and final
-state to fp32 rounding, so the backward (serial, whole sequences) does not depend on it.
+The forward op's last argument is the context-parallel code from `cp.decide`: both passes' partition lengths
+(`cp.encode`; 0: serial), or `cp.CP_AUTO` / `cp.CP_ON` (decided in each op from the concrete shapes). The backward
+op gets the same code through autograd's context and runs `cp.cp_chunk_bwd` (exact, docs/dev/cp.md) where the
+backward's part of it splits; the forward's part decides the forward alone (the two passes recompute their own
+partition states, so either may split without the other).
 """
 from __future__ import annotations
 
@@ -159,7 +161,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
 @torch.library.custom_op("flashdelta::chunk_gdn_bwd", mutates_args=())
 def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float,
-                  use_qk_l2norm: bool, state_v_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  use_qk_l2norm: bool, state_v_first: bool,
+                  context_parallel: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dh0_empty = q.new_empty(0, dtype=torch.float32)
@@ -177,10 +180,19 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
     g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
     ks = plan.kset("chunk_bwd")      # state_recompute's too (stages.COUPLED: h is backend-private)
-    h = ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
-                           state_v_first=state_v_first)
-    dq, dk, dv, dbeta, dG, dh0 = ks.chunk_bwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, h, _flat(do), dht, cu,
-                                              scale=scale, state_v_first=state_v_first)
+    N = _num_seqs(q, cu_seqlens)
+    L = cp.resolve_code(context_parallel, kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T,
+                        HV=HV, K=K, V=V, N=N, varlen=cu_seqlens is not None, backward=True, bwd_kset=ks)
+    if L:
+        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
+        dq, dk, dv, dbeta, dG, dh0 = cp.cp_chunk_bwd(qf, kf, vf, g_cumsum, bf, A, initial_state, _flat(do), dht, cu,
+                                                     scale=scale, state_v_first=state_v_first, plan=parts,
+                                                     backends=plan)
+    else:
+        h = ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
+                               state_v_first=state_v_first)
+        dq, dk, dv, dbeta, dG, dh0 = ks.chunk_bwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, h, _flat(do), dht, cu,
+                                                  scale=scale, state_v_first=state_v_first)
     group_sum = plan.fn("group_sum")
     dq, dk = group_sum(dq, H), group_sum(dk, H)
     dg = plan.fn("prepare_bwd")(dG, cu)
@@ -192,7 +204,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
 
 
 @chunk_gdn_bwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0)
@@ -202,15 +214,17 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first = inputs[:10]
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
+    ctx.cp_code = inputs[11] if len(inputs) > 11 else 0        # the forward's CP code: the backward's split
 
 
 def _backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     scale, use_qk_l2norm, state_v_first = ctx.opts
+    context_parallel = getattr(ctx, "cp_code", 0)
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht,
-                                               scale, use_qk_l2norm, state_v_first)
+                                               scale, use_qk_l2norm, state_v_first, context_parallel)
     # one entry per forward input: q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, layout, need_bwd,
     # context_parallel
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None, None

@@ -20,12 +20,21 @@ launchers:
 
 The partition plan (`CPPlan`) is computed on the device from cu_seqlens into buffers whose sizes depend only on
 host information (T, N, L), so CUDA graphs capture it and replay it with new lengths within the captured shapes;
-nothing here reads device data on the host. The backward runs serially (whole sequences) and is exact; CP in the
-backward and the gate-driven warm-up (docs/algorithm.md §4.4) are not implemented yet (docs/dev/cp.md).
+nothing here reads device data on the host.
 
-The decision (`decide`): `context_parallel` argument, else ``FLASHDELTA_CP``, else the cost model (`predict`) on
-the native backend. The states in the CP path are always K-first (``[.., K, V]``); a V-first caller's initial and
-final states (N of them) are transposed at the boundary.
+The backward (`cp_chunk_bwd`) mirrors it on the same kind of plan: the start states as above (M, E, scan), then
+`state_recompute` over the partitions from them; a first `chunk_bwd` over the partitions with a zero end gradient
+gives each partition's start gradient F_p (`_start_grads`; its other outputs are discarded); the reverse scan
+``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
+end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG exact for the whole sequences and the
+sequences' dh0 (their first partitions'). The gate-driven warm-up (docs/algorithm.md §4.4) is not implemented.
+
+The decision (`decide`): `context_parallel` argument, else ``FLASHDELTA_CP``, else the cost models (`predict` for
+the forward, `predict_bwd` for the backward) on the native backend. One code carries both passes' partition
+lengths (`encode`): the forward op takes it as an input and hands it to the backward through autograd's context,
+so the backward splits by the decision taken at the call (host lengths), never by reading device data. The states
+in the CP path are always K-first (``[.., K, V]``); a V-first caller's initial and final states and their
+gradients (N of them) are transposed at the boundary.
 """
 from __future__ import annotations
 
@@ -36,19 +45,22 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "bounds", "builds", "choose", "cp_chunk_fwd", "decide",
-           "make_plan", "num_sms", "parse_request", "predict", "resolve_code", "scan_cost", "scan_log", "scan_serial",
-           "scan_states", "summaries", "supported"]
+__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "bounds", "builds", "choose", "choose_bwd", "cp_chunk_bwd",
+           "cp_chunk_fwd", "decide", "decode", "encode", "make_plan", "num_sms", "parse_request", "predict",
+           "predict_bwd", "resolve_code", "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states",
+           "summaries", "supported", "supported_bwd"]
 
 Tensor = torch.Tensor
 
 ENV_CP = "FLASHDELTA_CP"
 BT = 64                         # chunk size of every stage
 
-# Codes `decide` hands the forward (`autograd`): 0 serial, L > 0 CP with partitions of L chunks, or (where the
-# decision is taken inside a traced graph, with only shapes known) one of these two, resolved by `resolve_code`.
-CP_AUTO = -1                    # the cost model, from shapes alone
-CP_ON = -2                      # CP with the cost model's best L, from shapes alone
+# Codes `decide` hands the forward op (`autograd`), which hands them to the backward op: ``encode(L_fwd, L_bwd)``
+# (each 0 for serial or a partition length in chunks), or (where the decision is taken inside a traced graph, with
+# only shapes known) one of these two, resolved per pass by `resolve_code`.
+CP_AUTO = -1                    # the cost models, from shapes alone
+CP_ON = -2                      # CP with each cost model's best L, from shapes alone
+_BWD = 1 << 24                  # code = L_fwd + _BWD * L_bwd; partition lengths stay below it
 
 # ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
 # them. Starting values from docs/dev/fused_fwd.md: the fused forward takes `items x (chunks x c + o)` on the
@@ -65,6 +77,21 @@ HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
 MIN_SEQ_CHUNKS = 32             # auto: no split of a batch whose longest sequence has fewer chunks (2048 tokens)
 CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the model tries
+
+# ---- backward (`predict_bwd`). chunk_bwd runs one CTA per (sequence or partition, value head) with all of V and
+# 222.7 KB of shared memory (one CTA per SM), latency-bound: ~22 us per chunk at any occupancy (docs/dev/chunk_bwd.md:
+# 2.9 ms for 32 CTAs of 128 chunks at 16/32 1x8192). state_recompute is the fused forward with its state output on:
+# 0.262 ms at 16/32 1x8192, 1.25x what `_pass_us` gives the plain forward there (the fp32 state stores).
+BWD_CHUNK_US = 22.0             # chunk_bwd per chunk and CTA, any occupancy
+BWD_ITEM_US = 8.0               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store (a guess)
+BWD_LAUNCH_US = 9.0             # chunk_bwd per launch, fixed
+BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
+RECOMPUTE_FACTOR = 1.25         # state_recompute's time over the forward pass model's
+START_GRAD_FACTOR = 1.0         # the start-gradient pass (`_start_grads`) over a full chunk_bwd; ~1/3 with a dS-only build
+BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
+MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
+# the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave
+CANDIDATE_L_BWD = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 # ------------------------------------------------------------------------------------------------ request
@@ -84,7 +111,7 @@ def parse_request(context_parallel) -> object:
             return "off"
         if raw in ("1", "on", "true"):
             return "on"
-        if raw.isdigit() and int(raw) >= 2:
+        if raw.isdigit() and 2 <= int(raw) < _BWD:
             return int(raw)
         raise ValueError(f"{ENV_CP}={raw!r}: expected auto, 0 (off), 1 (on) or a partition length in chunks >= 2")
     if isinstance(context_parallel, bool):
@@ -93,6 +120,8 @@ def parse_request(context_parallel) -> object:
         if context_parallel < 1:
             raise ValueError(f"context_parallel: a partition length must be >= 1 chunk, got {context_parallel} "
                              f"(False turns CP off)")
+        if context_parallel >= _BWD:
+            raise ValueError(f"context_parallel: a partition length must be < {_BWD} chunks, got {context_parallel}")
         return int(context_parallel)
     raise TypeError(f"context_parallel must be None, a bool or an int (partition chunks), got {context_parallel!r} "
                     f"({type(context_parallel).__name__})")
@@ -102,6 +131,27 @@ def supported(kset, K: int, V: int, dtype: torch.dtype) -> bool:
     """Whether `kset`'s chunk_fwd runs every CP pass: value width V (E and output passes) and K (M pass)."""
     return kset.has(["chunk_fwd"]) and kset.unsupported(K, K, dtype, "chunk_fwd") is None \
         and kset.unsupported(K, V, dtype, "chunk_fwd") is None
+
+
+def supported_bwd(kset, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether `kset` runs the backward's partition stages natively: state_recompute and chunk_bwd at (K, V) (the
+    summary passes need `supported`'s chunk_fwd as well)."""
+    return kset.has(["state_recompute", "chunk_bwd"]) and kset.unsupported(K, V, dtype, "chunk_bwd") is None \
+        and kset.unsupported(K, V, dtype, "state_recompute") is None
+
+
+def encode(fwd: int, bwd: int) -> int:
+    """One code for both passes: partition lengths (chunks; 0: serial) of the forward and of the backward."""
+    if not (0 <= fwd < _BWD and 0 <= bwd < _BWD):
+        raise ValueError(f"partition lengths must be in [0, {_BWD}), got forward {fwd}, backward {bwd}")
+    return int(fwd) + _BWD * int(bwd)
+
+
+def decode(code: int) -> tuple:
+    """(forward L, backward L) of a code >= 0 from `encode`."""
+    if code < 0:
+        raise ValueError(f"code: {code} is resolved by resolve_code, not decoded")
+    return code % _BWD, code // _BWD
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,17 +168,39 @@ def num_sms(device: torch.device) -> int:
 
 # ------------------------------------------------------------------------------------------------ cost model
 
-def _pass_us(items: list, sms: int) -> float:
-    """One fused launch over `items` = [(chunks, count)] CTAs: ``ceil(work / (SMs x longest)) x longest`` (exact
-    for equal items, at most one longest item pessimistic otherwise), the per-chunk time interpolated between the
-    few-CTA and the full-occupancy clock."""
+def _launch_us(items: list, slots: int, idle: float, full: float, item: float, launch: float) -> float:
+    """One launch over `items` = [(chunks, count)] CTAs on `slots` resident CTAs: ``ceil(work / (slots x
+    longest)) x longest`` (exact for equal items, at most one longest item pessimistic otherwise), the per-chunk
+    time interpolated between `idle` (few CTAs) and `full` (every slot busy)."""
     n = sum(c for _, c in items)
     if n == 0:
-        return LAUNCH_US
-    c = CHUNK_US_IDLE + (CHUNK_US_FULL - CHUNK_US_IDLE) * min(1.0, n / sms)
-    longest = max(ch for ch, cnt in items if cnt) * c + ITEM_US
-    work = sum(cnt * (ch * c + ITEM_US) for ch, cnt in items)
-    return LAUNCH_US + math.ceil(work / (sms * longest) - 1e-9) * longest
+        return launch
+    c = idle + (full - idle) * min(1.0, n / slots)
+    longest = max(ch for ch, cnt in items if cnt) * c + item
+    work = sum(cnt * (ch * c + item) for ch, cnt in items)
+    return launch + math.ceil(work / (slots * longest) - 1e-9) * longest
+
+
+def _pass_us(items: list, sms: int) -> float:
+    """One fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us`, one CTA per SM at a time)."""
+    return _launch_us(items, sms, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US, LAUNCH_US)
+
+
+def _bwd_pass_us(items: list, sms: int) -> float:
+    """One chunk_bwd launch over `items` = [(chunks, count)] CTAs (one per (sequence or partition, value head))."""
+    return _launch_us(items, sms * BWD_CTAS_PER_SM, BWD_CHUNK_US, BWD_CHUNK_US, BWD_ITEM_US, BWD_LAUNCH_US)
+
+
+def _parts(chunks: list, L: int) -> dict:
+    """{chunks: count} of the partitions of sequences of `chunks` chunks cut every L chunks."""
+    parts = {}
+    for c in chunks:
+        full, rem = divmod(c, L)
+        if full:
+            parts[L] = parts.get(L, 0) + full
+        if rem or c == 0:
+            parts[rem] = parts.get(rem, 0) + 1
+    return parts
 
 
 def bounds(T: int, N: int, L: int, seq_len: Optional[int] = None) -> tuple:
@@ -165,12 +237,7 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
     NV, NK = max(1, V // 64), max(1, K // 64)
     serial = _pass_us([(c, HV * NV) for c in chunks], sms)
-    parts = {}
-    for c in chunks:
-        full, rem = divmod(c, L)
-        parts[L] = parts.get(L, 0) + full
-        if rem or c == 0:
-            parts[rem] = parts.get(rem, 0) + 1
+    parts = _parts(chunks, L)
     P, J = bounds(T, N, L, seq_len)
     m = _pass_us([(ch, n * HV * NK) for ch, n in parts.items()], sms)
     e = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
@@ -180,64 +247,127 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
                 zeros=zeros, P=P, J=J)
 
 
-def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-           force: bool = False) -> int:
-    """The partition length (chunks) the cost model picks, or 0 (serial). `force`: the best L even where the
-    model prefers the serial path (0 only when no sequence is long enough to cut)."""
+def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
+                seq_len: Optional[int] = None) -> dict:
+    """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
+    whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
+    partitions, the start-gradient chunk_bwd (`START_GRAD_FACTOR` of a full one), the reverse scan, the second
+    chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
+    way and are left out."""
+    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
+    NV, NK = max(1, V // 64), max(1, K // 64)
+    whole = [(c, 1) for c in chunks]
+    serial_states = RECOMPUTE_FACTOR * _pass_us([(c, n * HV * NV) for c, n in whole], sms)
+    serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
+    parts = _parts(chunks, L).items()
+    P, J = bounds(T, N, L, seq_len)
+    m = _pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
+    e = _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
+    scan_us, scan = scan_cost(P, J, HV, K, V)
+    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
+    states = RECOMPUTE_FACTOR * e
+    bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
+    start = START_GRAD_FACTOR * bwd
+    cp_us = m + e + zeros + 2 * scan_us + states + start + bwd + BWD_FIXED_US
+    return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd, cp=cp_us,
+                m=m, e=e, zeros=zeros, scan=scan_us, scan_method=scan, states=states, start=start, bwd=bwd, P=P, J=J)
+
+
+def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
+          seq_len: Optional[int], force: bool) -> int:
+    """The L among `candidates` that `model` (`predict` / `predict_bwd`) predicts fastest, or 0 (serial) where
+    it is not below MARGIN x the serial time or the longest sequence has fewer than `min_chunks` chunks (unless
+    `force`: then 0 only when no sequence is long enough to cut)."""
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
     longest = max(chunks, default=0)
     best, best_us, serial = 0, math.inf, None
-    for L in CANDIDATE_L:
+    for L in candidates:
         if L >= longest:
             break
-        p = predict(T=T, N=N, HV=HV, K=K, V=V, L=L, sms=sms, lengths=lengths, seq_len=seq_len)
+        p = model(T=T, N=N, HV=HV, K=K, V=V, L=L, sms=sms, lengths=lengths, seq_len=seq_len)
         serial = p["serial"]
         if p["cp"] < best_us:
             best, best_us = L, p["cp"]
     if best == 0 or force:
         return best
-    if longest < MIN_SEQ_CHUNKS or best_us >= MARGIN * serial:
+    if longest < min_chunks or best_us >= MARGIN * serial:
         return 0
     return best
 
 
+def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
+               force: bool = False) -> int:
+    """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
+    as in `choose`."""
+    return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
+                 lengths=lengths, seq_len=seq_len, force=force)
+
+
+def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
+           force: bool = False) -> int:
+    """The partition length (chunks) the cost model picks, or 0 (serial). `force`: the best L even where the
+    model prefers the serial path (0 only when no sequence is long enough to cut)."""
+    return _best(predict, CANDIDATE_L, MIN_SEQ_CHUNKS, T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths,
+                 seq_len=seq_len, force=force)
+
+
+def _native(kset, device: torch.device) -> bool:
+    return device.type == "cuda" and kset.name != "torch"
+
+
 def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int, V: int,
            varlen: bool, N: int, lengths=None, traced: bool = False) -> int:
-    """The CP code for one call: 0 (serial), L > 0, or, where `traced` (torch.compile: shapes may be symbolic and
-    the kernel set is resolved inside the op), `CP_AUTO` / `CP_ON` for `resolve_code` to settle on concrete shapes.
+    """The CP code for one call, both passes: ``encode(L_fwd, L_bwd)`` (0: serial), or, where `traced`
+    (torch.compile: shapes may be symbolic and the kernel set is resolved inside the ops), `CP_AUTO` / `CP_ON`
+    for `resolve_code` to settle per pass on concrete shapes.
 
     `request` from `parse_request`; `kset` the kernel set running chunk_fwd (unused when traced). CP needs a
-    chunk_fwd that runs the value widths V and K (`supported`; else serial). ``auto`` splits only on a native
-    (GPU) backend where the model predicts a gain; ``on`` and an explicit L split on any backend. `lengths`: the
-    host sequence lengths where known (cu_seqlens_cpu or the validated copy of cu_seqlens); they steer the choice
-    of L, never a buffer size.
+    chunk_fwd that runs the value widths V and K (`supported`; else serial in both passes). ``auto`` splits each
+    pass by its own cost model (`choose`, `choose_bwd`), the forward only on a native backend, the backward only
+    where that backend also runs state_recompute and chunk_bwd (`supported_bwd`); ``on`` splits both at each
+    model's best L and an explicit L both at L, on any backend. The backward's choice differs from the forward's
+    where the serial backward leaves SMs idle but the forward does not (chunk_bwd takes ~15x the forward's time
+    per chunk, one CTA per (sequence, value head)), so it is taken separately and travels in the same code.
+    `lengths`: the host sequence lengths where known (cu_seqlens_cpu or the validated copy of cu_seqlens); they
+    steer the choice of L, never a buffer size.
     """
     if request == "off":
         return 0
     if traced:
-        return request if isinstance(request, int) else (CP_ON if request == "on" else CP_AUTO)
+        return encode(request, request) if isinstance(request, int) else (CP_ON if request == "on" else CP_AUTO)
     if not supported(kset, K, V, dtype):
         return 0
     if isinstance(request, int):
-        return request
-    if request == "auto" and (device.type != "cuda" or kset.name == "torch"):
+        return encode(request, request)
+    force = request == "on"
+    if not force and not _native(kset, device):
         return 0
-    return choose(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
-                  seq_len=None if varlen else T, force=(request == "on"))
+    kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
+              seq_len=None if varlen else T, force=force)
+    fwd = choose(**kw)
+    bwd = choose_bwd(**kw) if force or supported_bwd(kset, K, V, dtype) else 0
+    return encode(fwd, bwd)
 
 
 def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int,
-                 V: int, N: int, varlen: bool) -> int:
-    """A code from `decide` as a partition length with concrete shapes: 0 (serial) where CP cannot or, under
-    `CP_AUTO`, should not run."""
+                 V: int, N: int, varlen: bool, backward: bool = False, bwd_kset=None) -> int:
+    """One pass's partition length from a code of `decide`, with concrete shapes: the forward's, or with
+    `backward` the backward's; 0 (serial) where CP cannot or, under `CP_AUTO`, should not run. `kset`: the kernel
+    set running chunk_fwd (the summary passes); `bwd_kset`: the one running chunk_bwd (`CP_AUTO` in the backward
+    splits only where it is native, `supported_bwd`)."""
     if code == 0 or not supported(kset, K, V, dtype):
         return 0
     if code > 0:
-        return code
-    if code == CP_AUTO and (device.type != "cuda" or kset.name == "torch"):
+        return decode(code)[1 if backward else 0]
+    force = code == CP_ON
+    if not force and not _native(kset, device):
         return 0
-    return choose(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T,
-                  force=(code == CP_ON))
+    kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T, force=force)
+    if not backward:
+        return choose(**kw)
+    if not force and not (bwd_kset is not None and _native(bwd_kset, device) and supported_bwd(bwd_kset, K, V, dtype)):
+        return 0
+    return choose_bwd(**kw)
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -422,13 +552,132 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     return o, final
 
 
-def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float) -> list:
-    """(label, builder, args) of the SM90 fused-forward builds the CP forward launches: value width V without an
-    initial state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first. At K = V
-    these are the serial forward's default builds (`flashdelta warmup` compiles them)."""
-    from .kernels import fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
+# ------------------------------------------------------------------------------------------------ backward
+
+def _reversed(plan: CPPlan) -> CPPlan:
+    """The plan's slots in reverse order, as `scan_log` reads them (``seq``, ``pos``, ``first``): each sequence's
+    partitions are still contiguous, last one first; unused slots (now in front) start sequences of their own."""
+    slots = torch.arange(plan.P, device=plan.seq.device)
+    used = slots <= plan.last_index[-1]
+    pos = torch.where(used, plan.last_index[plan.seq] - slots, 0).flip(0)
+    return plan._replace(seq=plan.seq.flip(0), pos=pos, first=pos == 0)
+
+
+def _grads_serial(M: Tensor, F: Tensor, plan: CPPlan, dT: Tensor) -> Tensor:
+    """`scan_grads` one step per partition index, last first (mirrors `scan_serial`; the padding slot P is the
+    identity map with F = 0, so a sequence without a j-th partition keeps its dht until its last one)."""
+    P, HV, K, V = F.shape
+    N, J = plan.N, plan.J
+    if plan.regular:
+        Mr, Fr = M.view(N, J, HV, K, K), F.view(N, J, HV, K, V)
+        D = torch.empty(N, J, HV, K, V, dtype=F.dtype, device=F.device)
+        D[:, J - 1] = dT
+        for j in range(J - 1, 0, -1):
+            if N == 1:
+                torch.baddbmm(Fr[0, j], Mr[0, j].transpose(-1, -2), D[0, j], out=D[0, j - 1])
+            else:
+                D[:, j - 1] = torch.matmul(Mr[:, j].transpose(-1, -2), D[:, j]) + Fr[:, j]
+        return D.view(P, HV, K, V)
+    eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(1, HV, K, K)
+    Mp = torch.cat([M, eye])
+    Fp = torch.cat([F, F.new_zeros(1, HV, K, V)])
+    D = torch.empty(P + 1, HV, K, V, dtype=F.dtype, device=F.device)
+    S = dT
+    for j in range(J - 1, -1, -1):
+        idx = plan.step_index[j]
+        D.index_copy_(0, idx, S)                                 # several sequences may write slot P: discarded
+        if j > 0:
+            S = torch.baddbmm(Fp.index_select(0, idx).view(N * HV, K, V),
+                              Mp.index_select(0, idx).view(N * HV, K, K).transpose(-1, -2),
+                              S.reshape(N * HV, K, V)).view(N, HV, K, V)
+    return D[:P]
+
+
+def scan_grads(M: Tensor, F: Tensor, plan: CPPlan, dht: Optional[Tensor], method: Optional[str] = None) -> Tensor:
+    """Every partition's end gradient ``[P, HV, K, V]`` (K-first) from the transitions ``M [P, HV, K, K]``, the
+    start gradients from a zero end gradient ``F [P, HV, K, V]`` and the sequences' final-state gradients ``dht
+    [N, HV, K, V]`` (None: zeros): ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}``, ``dS_end`` of a sequence's
+    last partition = its dht (docs/algorithm.md §4.3, `reference.cp.scan_grads`). `method` as in `scan_states`:
+    ``"serial"`` (J steps, last first) or ``"log"`` (`scan_log` over the reversed slots with ``(M^T, F)``)."""
+    P, HV, K, V = F.shape
+    dT = _h0(dht, plan.N, HV, K, V, F.dtype, F.device)
+    if method is None:
+        method = scan_cost(P, plan.J, HV, K, V)[1]
+    if method == "serial":
+        return _grads_serial(M, F, plan, dT)
+    if method == "log":
+        return scan_log(M.flip(0).transpose(-1, -2), F.flip(0), _reversed(plan), dT).flip(0)
+    raise ValueError(f"method: {method!r}, expected 'serial' or 'log'")
+
+
+def _as_param(x: Optional[Tensor], kset) -> Optional[Tensor]:
+    """beta or a state as `kset`'s launchers take it (`KernelSet.param_dtype`)."""
+    return None if x is None else x.to(kset.param_dtype(x.dtype)).contiguous()
+
+
+def _start_grads(chunk_bwd, q, k, v, g_cumsum, beta, A, h, do, plan: CPPlan, *, scale: float, dtype) -> Tensor:
+    """``F [P, HV, K, V]`` (K-first): each partition's start gradient from a zero end gradient, the dh0 of
+    `chunk_bwd` over the partitions with dht = 0 (its other outputs are discarded). F depends on dO and the
+    chunk maps only, not on the states; a dS-only build of chunk_bwd (the dVd -> dv -> dU -> dS chain, no dq, dk,
+    dbeta, dG, no stores) would take its place here. The zero dht is a tensor, so the launch is the same build as
+    the second pass's."""
+    HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
+    zero = torch.zeros(plan.P, HV, K, V, dtype=dtype, device=v.device)
+    return chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, zero, plan.cu, scale=scale, state_v_first=False)[5]
+
+
+def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
+                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None):
+    """The `state_recompute` and `chunk_bwd` stages (docs/stages.md) through the partitions of `plan`
+    (`make_plan` of the same cu_seqlens), exact: what `chunk_bwd` returns for the whole sequences, ``(dq, dk
+    [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``.
+
+    `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes; state_recompute and chunk_bwd from
+    one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None) and dht (the same,
+    or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes. `scan` as in
+    `cp_chunk_fwd`, for both scans. Steps: (M, E) by two chunk_fwd launches (`summaries`) and the scan give every
+    partition's start state; state_recompute over the partitions from them; chunk_bwd with dht = 0 gives F
+    (`_start_grads`); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those
+    gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each
+    sequence's first partition, its dh0. No host synchronisation.
+    """
+    if chunk_size != BT:
+        raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
+    del cu_seqlens                                                # the plan holds the partition boundaries
+    fks, bks = backends.kset("chunk_fwd"), backends.kset("chunk_bwd")
+    sd = fks.param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd,
+                     state_dtype=sd)
+    tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
+    h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
+    H = scan_states(M, E, plan, h0, scan)
+    b = _as_param(beta, bks)
+    h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
+    Fp = _start_grads(bks.chunk_bwd, q, k, v, g_cumsum, b, A, h, do, plan, scale=scale, dtype=M.dtype)
+    dT = None if dht is None else tr(dht).to(M.dtype)
+    dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
+    dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
+                                                state_v_first=False)
+    first = torch.cat([plan.last_index[:1] * 0, plan.last_index[:-1] + 1])   # each sequence's first partition
+    dh0 = dh0p.index_select(0, first)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2).contiguous()
+    return dq, dk, dv, dbeta, dG, dh0
+
+
+def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float, *,
+           backward: bool = False) -> list:
+    """(label, builder, args) of the SM90 builds CP launches: the fused forward at value width V without an initial
+    state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first; with `backward`,
+    also the backward's state_recompute (fp32 start states) and chunk_bwd (with dht: both passes), K-first, where
+    chunk_bwd supports (K, V). At K = V these are the serial passes' default K-first builds (`flashdelta warmup`
+    compiles them); a V-first caller's serial path uses its own V-first builds, CP these."""
+    from .kernels import chunk_bwd, fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
 
     todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
     if K != V:
         todo += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+    if backward and (K, V) in chunk_bwd.HEAD_DIMS:
+        todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
+        todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
     return [(f"cp {label}", b, args) for label, b, args in todo]

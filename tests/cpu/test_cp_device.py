@@ -4,9 +4,11 @@
 - the summary launches (zero values from I; v from 0) give the reference's (M, E); both scans equal
   `scan_states`;
 - CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
-  with a never-decaying head, h0 present / absent, both state layouts, GVA; gradients through autograd equal;
-  torch.compile(fullgraph=True) traces it;
-- the request parsing (argument, FLASHDELTA_CP) and the cost model's decisions.
+  with a never-decaying head, h0 present / absent, both state layouts, GVA; torch.compile(fullgraph=True) traces it;
+- the CP backward: the start-gradient pass gives the reference's F, both reverse scans equal `scan_grads`; every
+  gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the API cases above with dht
+  present and absent (an unused final state's gradient is materialised as zeros), the backward really split;
+- the request parsing (argument, FLASHDELTA_CP) and the cost models' decisions (forward and backward apart).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from _helpers import Case, assert_close, make_inputs
 from flashdelta import chunk_gated_delta_rule, cp, dispatch, portable
 from flashdelta.reference import cp as rcp
-from flashdelta.stages import KernelSet
+from flashdelta.stages import KernelSet, Stage
 
 F64 = torch.float64
 
@@ -145,17 +147,84 @@ def test_cp_on_equals_off(case, L, dtype):
     assert_close("ht", ht1, ht0, tol=tol)
 
 
-def test_cp_gradients_equal_serial():
-    """The forward with CP inside autograd: same o, and the (serial) backward gives the same gradients."""
-    case = Case("grad", (300, 1, 200), H=1, HV=2, K=8, V=8)
-    outs = []
-    for cpv in (False, 2):
-        x = make_inputs(case, dtype=torch.float32, requires_grad=True)
-        o, ht = _api(x, context_parallel=cpv)
-        (o.square().sum() + ht.square().sum()).backward()
-        outs.append([o, ht] + [x[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")])
-    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs):
-        assert_close(name, a, b, tol=1e-5)
+# ----------------------------------------------------------------------------------------- backward
+
+def test_start_grads_and_reverse_scans_match_the_reference():
+    x, q, k, v, g_cumsum, beta, A, cu = _stage_inputs(SUMMARY_CASE, F64)
+    L = 3
+    plan = cp.make_plan(cu, q.shape[1], L)
+    parts = rcp.partition(cu, L)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    F, M = rcp.grad_summaries(q, k, v, g_cumsum, beta, A, do, parts, scale=0.25)
+    h = portable.state_recompute(k, v, g_cumsum, beta, A, None, plan.cu)      # F does not read the states
+    Fd = cp._start_grads(portable.chunk_bwd, q, k, v, g_cumsum, beta, A, h, do, plan, scale=0.25, dtype=F64)
+    assert_close("F", Fd[:parts.P], F, tol=1e-12)
+    Md, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    for dht in (torch.randn(x["initial_state"].shape, dtype=F64), None):
+        want, _ = rcp.scan_grads(F, M, parts, dht)
+        for method in ("serial", "log"):
+            assert_close("dS", cp.scan_grads(Md, Fd, plan, dht, method)[:parts.P], want, tol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["serial", "log"])
+def test_reverse_scan_dense_regular(method):
+    plan = cp.make_plan(torch.arange(3, dtype=torch.int32) * 700, 1400, 3, seq_len=700)      # 2 x 4 partitions
+    parts = rcp.partition([0, 700, 1400], 3)
+    gen = torch.Generator().manual_seed(2)
+    M = torch.randn(plan.P, 2, 8, 8, generator=gen, dtype=F64) * 0.3
+    F = torch.randn(plan.P, 2, 8, 4, generator=gen, dtype=F64)
+    dht = torch.randn(2, 2, 8, 4, generator=gen, dtype=F64)
+    assert plan.regular and plan.P == parts.P == 8
+    assert_close("dS", cp.scan_grads(M, F, plan, dht, method), rcp.scan_grads(F, M, parts, dht)[0], tol=1e-12)
+
+
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _grads(x, cpv, use_ht, seed=3):
+    x = {n: (t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+         for n, t in x.items()}
+    o, ht = _api(x, context_parallel=cpv)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    leaves = [x[n] for n in GRAD_NAMES if x[n] is not None]
+    if use_ht:
+        grads = torch.autograd.grad((o, ht), leaves, (do, torch.randn(ht.shape, generator=gen, dtype=ht.dtype)))
+    else:                                           # dht: zeros from autograd
+        grads = torch.autograd.grad(o, leaves, do)
+    return [o, ht] + list(grads)
+
+
+BWD_CASES = [(c, L, use_ht) for (c, L), use_ht in zip(API_CASES, (True, False, True, False))]
+
+
+@pytest.mark.parametrize("case,L,use_ht", BWD_CASES, ids=[f"{c[0].name}-{'dht' if c[2] else 'nodht'}"
+                                                         for c in BWD_CASES])
+def test_cp_backward_equals_serial(case, L, use_ht, monkeypatch):
+    """Every gradient with the backward split equals the serial backward's to fp32 rounding: ragged partition
+    edges, sequences shorter than a partition, an empty one, many short with one long, a never-decaying head
+    (model gates' head 0), h0 present / absent, dht present / absent, GVA, both state layouts, dense input."""
+    x = make_inputs(case, dtype=torch.float32)
+    calls = []
+    real = cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    ref = _grads(x, False, use_ht)
+    assert calls == []
+    got = _grads(x, L, use_ht)
+    assert calls == [L], "the backward split"
+    names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES if x[n] is not None)
+    for name, a, b in zip(names, got, ref):
+        assert_close(name, a, b, tol=2e-6)
+
+
+def test_cp_backward_float64_exact():
+    """At float64 the CP backward equals the serial one to ~1e-13 (the portable path computes in float64)."""
+    case, L = API_CASES[0]
+    x = make_inputs(case, dtype=torch.float32)
+    x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES)
+    for name, a, b in zip(names, _grads(x, L, True), _grads(x, False, True)):
+        assert_close(name, a, b, tol=1e-12)
 
 
 def test_cp_under_torch_compile_fullgraph():
@@ -218,31 +287,55 @@ def test_env_turns_cp_on(monkeypatch):
 
 
 def test_decide_on_the_cost_model(monkeypatch):
-    """Few heads on one long sequence split; a full GPU, short sequences or an unsupported width do not."""
+    """Few heads on one long sequence split; a full GPU, short sequences or an unsupported width do not. The
+    forward's and the backward's partition lengths are chosen apart and travel in one code."""
+    bwd_dims = Stage(portable.chunk_bwd, head_dims=((128, 128), (64, 64)))
     ks = KernelSet("sm90", dtypes=(torch.bfloat16,), head_dims=((128, 128), (64, 64), (128, 256)),
                    chunk_fwd=portable.chunk_fwd)
+    ks_bwd = ks._replace(chunk_bwd=bwd_dims, state_recompute=Stage(portable.state_recompute, head_dims=bwd_dims.head_dims))
     portable_set = dispatch.load("torch")
     monkeypatch.setattr(cp, "num_sms", lambda device: 132)
     dev = torch.device("cuda", 0)
     kw = dict(kset=ks, device=dev, dtype=torch.bfloat16, K=128, V=128, B=1, varlen=True)
     one = cp.decide("auto", T=32768, HV=8, N=1, lengths=[32768], **kw)
-    assert one > 0 and 32768 // 64 // one >= 4, one
-    p = cp.predict(T=32768, N=1, HV=8, K=128, V=128, L=one, sms=132, lengths=[32768])
+    fwd, bwd = cp.decode(one)
+    assert fwd > 0 and 32768 // 64 // fwd >= 4, one
+    assert bwd == 0, "no chunk_bwd in the kernel set: the backward stays serial"
+    p = cp.predict(T=32768, N=1, HV=8, K=128, V=128, L=fwd, sms=132, lengths=[32768])
     assert p["cp"] < cp.MARGIN * p["serial"]
     assert cp.decide("auto", T=32768, HV=64, N=1, lengths=[32768], **kw) == 0            # 128 CTAs already
     assert cp.decide("auto", T=8192, HV=8, N=8, lengths=[1024] * 8, **kw) == 0           # short sequences
     assert cp.decide("auto", T=32768, HV=8, N=1, traced=True, **kw) == cp.CP_AUTO
     assert cp.decide("on", T=32768, HV=8, N=1, traced=True, **kw) == cp.CP_ON
+    assert cp.decide(5, T=32768, HV=8, N=1, traced=True, **kw) == cp.encode(5, 5)
     assert cp.decide("off", T=32768, HV=8, N=1, **kw) == 0
-    assert cp.decide(5, T=32768, HV=8, N=1, **kw) == 5
-    assert cp.decide("on", T=32768, HV=64, N=1, lengths=[32768], **kw) > 0           # forced: the model's best L
+    assert cp.decide(5, T=32768, HV=8, N=1, **kw) == cp.encode(5, 5)
+    assert min(cp.decode(cp.decide("on", T=32768, HV=64, N=1, lengths=[32768], **kw))) > 0   # forced: best L
     assert cp.decide(4, T=32768, HV=8, N=1, **dict(kw, K=96, V=96)) == 0             # no kernel for (96, 96)
     assert cp.decide("auto", T=32768, HV=8, N=1, **dict(kw, device=torch.device("cpu"))) == 0
     # varlen without host lengths: the sequences are taken as equal (the conservative case)
-    assert cp.decide("auto", T=32768, HV=4, N=2, **kw) > 0
+    assert cp.decode(cp.decide("auto", T=32768, HV=4, N=2, **kw))[0] > 0
     assert cp.decide("auto", T=32768, HV=8, N=32, **kw) == 0
     assert cp.decide("auto", T=32768, HV=8, N=1, **dict(kw, kset=portable_set)) == 0      # the portable path
-    assert cp.decide(3, T=32768, HV=8, N=1, **dict(kw, kset=portable_set)) == 3
-    del kw["varlen"]
-    assert cp.resolve_code(cp.CP_AUTO, T=32768, HV=8, N=1, varlen=True, **kw) == cp.decide(
-        "auto", T=32768, HV=8, N=1, varlen=True, **kw)
+    assert cp.decide(3, T=32768, HV=8, N=1, **dict(kw, kset=portable_set)) == cp.encode(3, 3)
+    # the backward: chunk_bwd is ~15x the forward per chunk, one CTA per (sequence, value head): 16/32 1x8192
+    # splits only the backward, 2/4 1x8192 both, a batch that fills the GPU neither
+    kb = dict(kw, kset=ks_bwd)
+    fwd, bwd = cp.decode(cp.decide("auto", T=8192, HV=32, N=1, lengths=[8192], **kb))
+    assert fwd == 0 and bwd > 0 and 32 * (128 // bwd) <= 132, (fwd, bwd)
+    pb = cp.predict_bwd(T=8192, N=1, HV=32, K=128, V=128, L=bwd, sms=132, lengths=[8192])
+    assert pb["cp"] < cp.MARGIN * pb["serial"] and pb["serial"] > 2500
+    assert min(cp.decode(cp.decide("auto", T=8192, HV=4, N=1, lengths=[8192], **kb))) > 0
+    assert cp.decide("auto", T=32768, HV=32, N=4, lengths=[8192] * 4, **kb) == 0
+    assert cp.decode(cp.decide("auto", T=8192, HV=32, N=1, lengths=[8192], **dict(kb, K=128, V=256)))[1] == 0
+    del kw["varlen"], kb["varlen"]
+    assert cp.resolve_code(cp.CP_AUTO, T=32768, HV=8, N=1, varlen=True, **kw) == cp.decode(cp.decide(
+        "auto", T=32768, HV=8, N=1, varlen=True, **kw))[0]
+    code = cp.decide("auto", T=8192, HV=32, N=1, varlen=True, **kb)
+    assert cp.resolve_code(code, T=8192, HV=32, N=1, varlen=True, backward=True, **kb) == cp.decode(code)[1]
+    assert cp.resolve_code(cp.CP_AUTO, T=8192, HV=32, N=1, varlen=True, backward=True, bwd_kset=ks_bwd,
+                           **kb) == cp.decode(code)[1]
+    assert cp.resolve_code(cp.CP_AUTO, T=8192, HV=32, N=1, varlen=True, backward=True, bwd_kset=portable_set,
+                           **kb) == 0                                       # chunk_bwd on the portable path
+    with pytest.raises(ValueError, match="code"):
+        cp.decode(cp.CP_AUTO)

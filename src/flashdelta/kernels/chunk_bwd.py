@@ -25,7 +25,8 @@ below). Per chunk c
 
 Loads: q, k and dO arrive by TMA at the start of the chunk. Chunk c - 1's v and A (TMA) are issued as soon as
 chunk c has consumed its tiles (after A^T dA A^T), its S0^T (TMA) after the last GEMM that reads S0^T, and its
-gates (plain loads into a second buffer) under chunk c's dq GEMMs, so they arrive under the rest of chunk c. Rows
+gates (plain loads into registers at chunk c's start, stored into a second buffer under its dq GEMMs), so they
+arrive under the rest of chunk c. Rows
 past the end are zeroed in shared memory after the wait. GEMMs run on both warpgroups (each takes half the output
 columns); independent ones are issued together (`T.wgmma_gemm`) and waited for once, and the dbeta / dG row work
 runs under the dS0 GEMMs. The states are in q's dtype (the values the forward's GEMMs read), so the e_L <dS1, S0>
@@ -124,12 +125,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             T.barrier_arrive(bar_h[0])
 
     @T.macro
-    def load_gates(c, bos, eos, i_hv, tx, g, beta, gn_s, bn_s):
-        # chunk c's G and beta into the next-chunk buffers (rows past the end: G[len - 1] and beta = 0)
+    def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
+        # chunk c's G and beta of row tx into registers (rows past the end: G[len - 1] and beta = 0); the loads
+        # complete while the thread goes on, `store_gates` puts them in the next-chunk buffers
         t0 = bos + c * BT
         if tx < BT:
-            gn_s[tx] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
-            bn_s[tx] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
+            gl[0] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
+            gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
+
+    @T.macro
+    def store_gates(tx, gl, gn_s, bn_s):
+        if tx < BT:
+            gn_s[tx] = gl[0]
+            bn_s[tx] = gl[1]
 
     @T.prim_func
     def chunk_bwd_kernel(
@@ -212,6 +220,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             qd_f = T.alloc_fragment((BT, K), dtype)
             tot = T.alloc_local((1,), acc)
             tsum = T.alloc_local((1,), acc)                 # this thread's part of the chunk total
+            gl = T.alloc_local((2,), acc)                   # G and beta of one row of the next chunk, in flight
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
@@ -247,7 +256,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     # the last chunk's v, A, S0^T and gates; each later chunk's arrive while the chunk after it runs
                     load_va(NT - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
                     load_h(T.cast(slot0 + NT - 1, "int64"), i_hv, tx, h, h_s, bar_h)
-                    load_gates(NT - 1, bos, eos, i_hv, tx, g, beta, gn_s, bn_s)
+                    fetch_gates(NT - 1, bos, eos, i_hv, tx, g, beta, gl)
+                    store_gates(tx, gl, gn_s, bn_s)
 
                 for cc in T.serial(NT):
                     c = NT - 1 - cc
@@ -263,6 +273,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s, barrier=bar_in[0])
                         T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=bar_in[0])
                         T.barrier_arrive(bar_in[0])
+                    if c > 0:
+                        fetch_gates(c - 1, bos, eos, i_hv, tx, g, beta, gl)              # stored under the dq GEMMs
                     for i in T.Parallel(BT):
                         g_s[i] = gn_s[i]
                         b_s[i] = bn_s[i]
@@ -365,8 +377,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     T.wgmma_gemm(dvd_s, h_s, dk_f)                                      # dU S0^T    [BT, V] @ [V, K]
                     T.wgmma_gemm(da_s, q_s, dk_f, transpose_A=True)                     # dP^T Q     [BT, BT] @ [BT, K]
                     if c > 0:
-                        # the previous chunk's gates load under the GEMMs
-                        load_gates(c - 1, bos, eos, i_hv, tx, g, beta, gn_s, bn_s)
+                        store_gates(tx, gl, gn_s, bn_s)                                 # the previous chunk's gates
                     T.wait_wgmma(0)
                     if c > 0:
                         # S0^T is consumed: the previous chunk's comes in under the rest of this one

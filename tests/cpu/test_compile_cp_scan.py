@@ -1,0 +1,116 @@
+"""CP's scan kernel (`kernels.cp_scan`) on the CPU: three of its builds compile for sm_90a, pass the hang checks,
+keep every accumulator in registers (no ptxas spills, no stack frame) and use no tensor-core instruction (the scan is
+plain fp32 FMAs); its build table, the V-tile choice, the plan offsets and the launchers' argument checks.
+
+The three builds (~4 s each, compiled at once): the forward at K = V = 128 with h0 and 16-column tiles (2/8 1x32768's
+scan), the backward at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64
+without h0, with the final state. tests/gpu/test_cp_scan.py runs them on the GPU.
+"""
+import concurrent.futures
+import re
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from _builds import hang_checks  # noqa: E402
+
+from flashdelta import cp, toolkit  # noqa: E402
+from flashdelta.kernels import cp_scan  # noqa: E402
+
+BUILDS = {
+    "fwd-128-bv16-h0": cp_scan.builder_args(8, 128, 128, 16, reverse=False, has_init=True, store_final=False),
+    "bwd-v256-bv32-dht-dh0": cp_scan.builder_args(8, 128, 256, 32, reverse=True, has_init=True, store_final=True),
+    "fwd-64-final": cp_scan.builder_args(4, 64, 64, 16, reverse=False, has_init=False, store_final=True),
+}
+
+
+def _ptxas_report(src: str, tmp_path) -> str:
+    """ptxas' resource line for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
+    from tilelang.env import env as tl_env
+
+    cu = tmp_path / "cp_scan.cu"
+    cu.write_text(src)
+    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "cp_scan.cubin"), "-std=c++17", "-O3",
+           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
+           "-v", str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """label -> the compiled kernel (or its exception), all three compiled at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(BUILDS)) as pool:
+        futures = {label: pool.submit(cp_scan.build, *args) for label, args in BUILDS.items()}
+        return {label: f.exception() or f.result() for label, f in futures.items()}
+
+
+@pytest.mark.parametrize("label", list(BUILDS))
+def test_cp_scan_build_compiles_without_spills(label, compiled, tmp_path):
+    kernel = compiled[label]
+    if isinstance(kernel, BaseException):
+        raise kernel
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    assert not re.search(r"wgmma|\bmma\b|mma_sync|tf32", src), "the scan must not use tensor cores"
+    assert "cp_async" in src and src.count("__syncthreads()") == 1         # one barrier per step
+    report = _ptxas_report(src, tmp_path)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    assert re.search(r"\b0 bytes stack frame", report), report
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= 128, report
+
+
+def test_build_table():
+    """`launcher_builds`: forward (and with `backward` the reverse walk) with and without the start value, at the V
+    tile `choose_bv` picks (both where N is unknown); head dims outside the kernel's raise."""
+    fwd = cp_scan.launcher_builds(8, 128, 128, N=1)
+    assert [a for _, _, a in fwd] == [cp_scan.builder_args(8, 128, 128, 16, reverse=False, has_init=h,
+                                                           store_final=False) for h in (False, True)]
+    assert BUILDS["fwd-128-bv16-h0"] in [a for _, _, a in fwd]
+    both = cp_scan.launcher_builds(8, 128, 128, backward=True)
+    assert len(both) == 8 and {a[3] for _, _, a in both} == {16, 32} and {a[4] for _, _, a in both} == {False, True}
+    assert all(b is cp_scan.build for _, b, _ in both)
+    with pytest.raises(AssertionError):
+        cp_scan.build.get_tir(8, 96, 128, 16, False, False, False)
+
+
+def test_choose_bv_and_unsupported():
+    assert cp_scan.choose_bv(1, 8, 128) == 16            # 64 CTAs: one wave of 16-column tiles
+    assert cp_scan.choose_bv(4, 8, 128) == 32            # 256 CTAs of 16 columns: 128 of 32
+    assert cp_scan.choose_bv(4, 8, 48) == 16             # V not a multiple of 32
+    assert cp_scan.unsupported(128, 256) is None and cp_scan.unsupported(64, 64, 32) is None
+    assert "K=256" in cp_scan.unsupported(256, 128)
+    assert "V=40" in cp_scan.unsupported(128, 40)
+
+
+def test_part_offsets_from_plans():
+    """`part_offsets` of `cp.make_plan`'s plans: consecutive slots per sequence, empty sequences with one slot,
+    ``part_cu[N]`` the used slots (the rest are the plan's empty partitions)."""
+    cu = torch.tensor([0, 3000, 3001, 3701, 3701, 3831, 3895])
+    plan = cp.make_plan(cu, 3902, 4)
+    part_cu = cp_scan.part_offsets(plan.last_index)
+    assert part_cu.dtype == torch.int32 and part_cu.tolist() == [0, 12, 13, 16, 17, 18, 19]
+    seq = torch.repeat_interleave(torch.arange(plan.N), part_cu.diff().long())
+    assert torch.equal(plan.seq[:19], seq) and plan.P >= 19
+    dense = cp.make_plan(torch.arange(3) * 2048, 4096, 8, seq_len=2048)
+    assert cp_scan.part_offsets(dense.last_index).tolist() == [0, 4, 8] and dense.P == 8
+
+
+def test_launcher_argument_checks():
+    M, E = torch.zeros(4, 2, 64, 64), torch.zeros(4, 2, 64, 64)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="E: .*fp32"):
+        cp_scan.scan_fwd(M, E.double(), None, cu)
+    with pytest.raises(ValueError, match="M: expected"):
+        cp_scan.scan_fwd(M[:, :, :32], E, None, cu)
+    with pytest.raises(ValueError, match="dht: expected"):
+        cp_scan.scan_bwd(M, E, torch.zeros(2, 2, 64, 64), cu)
+    with pytest.raises(ValueError, match="part_cu"):
+        cp_scan.scan_fwd(M, E, None, cu[:1])
+    with pytest.raises(ValueError, match="K=32"):
+        cp_scan.scan_fwd(torch.zeros(4, 2, 32, 32), torch.zeros(4, 2, 32, 64), None, cu)

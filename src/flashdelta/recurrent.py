@@ -6,8 +6,13 @@ Two paths compute it:
 - On an SM90 (Hopper) GPU, the TileLang kernel `flashdelta.kernels.decode`: one launch per call, the state read
   once and written once (decode is memory-bound), cu_seqlens read on the device (no host synchronisation, so a call
   can be captured in a CUDA graph). It is forward only: a call where an input requires grad (under
-  ``torch.is_grad_enabled()``) runs the PyTorch path, and so does a call inside torch.compile or with tensor
-  subclasses, or with head dims / dtypes the kernel lacks (`kernels.decode.unsupported`; a warning says so once).
+  ``torch.is_grad_enabled()``) runs the PyTorch path, and so does a call with tensor subclasses, or with head dims /
+  dtypes the kernel lacks (`kernels.decode.unsupported`; a warning says so once).
+- Inside torch.compile, a forward-only call on a CUDA device is one node of the graph, the custom op
+  ``flashdelta::fused_recurrent_fwd`` (with a fake implementation for tracing): at run time it takes the kernel where
+  the rules above allow and the PyTorch loop otherwise, so a compiled model's decode step launches the kernel. Calls
+  on other devices, or with an input that requires grad, trace the PyTorch loop (with cu_seqlens it reads their
+  lengths on the host: a graph break).
 - Everywhere else, the portable PyTorch path: a loop over the token positions, each step batched over every sequence
   and value head, in fp32 (float64 for float64 inputs); it reads cu_seqlens on the host. Autograd runs through its
   PyTorch ops, so it is differentiable.
@@ -142,7 +147,8 @@ def fused_recurrent_gated_delta_rule(
     gate = (A_log, dt_bias) if use_gate_in_kernel else ()
     tensors = (q, k, v, g, gk, gv, beta, initial_state, *gate)
     need_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    kernel = _kernel_path(q, v, need_grad, tensors + (cu_seqlens,))
+    traced_op = torch.compiler.is_compiling() and _compiled_op(q.device, need_grad)
+    kernel = traced_op or _kernel_path(q, v, need_grad, tensors + (cu_seqlens,))
     cu_host = None
     if cu_seqlens is not None:
         if kernel:
@@ -155,27 +161,90 @@ def fused_recurrent_gated_delta_rule(
     _check_state("initial_state", initial_state, N, HV, K, V, state_v_first)
     _no_forward_ad("fused_recurrent_gated_delta_rule", *tensors)
 
+    beta_act = (2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel and beta is not None else 0
+    opts = dict(scale=scale, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                A_log=gate[0] if gate else None, dt_bias=gate[1] if gate else None, beta_act=beta_act,
+                state_v_first=state_v_first)
+    if traced_op:
+        A_log, dt_bias = opts.pop("A_log"), opts.pop("dt_bias")
+        o, ht = fused_recurrent_fwd(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, A_log, dt_bias, **opts)
+        return o, (ht if output_final_state else None)
     if kernel:
         from .kernels import decode  # noqa: PLC0415  (imports tilelang: only on the kernel path)
 
-        beta_act = (2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel and beta is not None else 0
-        return decode.fused_recurrent_fwd(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, scale=scale,
-                                          output_final_state=output_final_state,
-                                          use_qk_l2norm=use_qk_l2norm_in_kernel, A_log=gate[0] if gate else None,
-                                          dt_bias=gate[1] if gate else None, beta_act=beta_act,
-                                          state_v_first=state_v_first)
-
-    cd = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
-    if use_gate_in_kernel:
-        g = gdn_gate(g, A_log, dt_bias)
-    if beta is not None and use_beta_sigmoid_in_kernel:
-        beta = beta_sigmoid(beta, allow_neg_eigval)
-    o, ht = _recurrence(q, k, v, g, gk, gv, beta, initial_state, cu_host, scale=scale,
-                        use_qk_l2norm=use_qk_l2norm_in_kernel, state_v_first=state_v_first, compute_dtype=cd)
-    return o.to(v.dtype), (ht if output_final_state else None)
+        return decode.fused_recurrent_fwd(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, **opts)
+    return _portable(q, k, v, g, gk, gv, beta, initial_state, cu_host, **opts)
 
 
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
+
+def _portable(q, k, v, g, gk, gv, beta, initial_state, cu_host, *, scale, output_final_state, use_qk_l2norm, A_log,
+              dt_bias, beta_act, state_v_first):
+    """The PyTorch path: the gate and beta transforms, then the token loop; (o in v's dtype, final state or None)."""
+    cd = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
+    if A_log is not None:
+        g = gdn_gate(g, A_log, dt_bias)
+    if beta_act:
+        beta = beta_sigmoid(beta, beta_act == 2)
+    o, ht = _recurrence(q, k, v, g, gk, gv, beta, initial_state, cu_host, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                        state_v_first=state_v_first, compute_dtype=cd)
+    return o.to(v.dtype), (ht if output_final_state else None)
+
+
+def _compiled_op(device: torch.device, need_grad: bool) -> bool:
+    """Inside torch.compile: whether the call becomes the custom op (forward only, on CUDA, the PyTorch path not
+    forced); the op makes the kernel-or-loop decision at run time, on the real tensors (`_kernel_path`). Reads no
+    device properties, so tracing does not break on them."""
+    forced = dispatch.requested_backend()
+    if forced == "sm90" and device.type != "cuda":
+        _kernel_path_error(device)
+    return device.type == "cuda" and not need_grad and forced != dispatch.PORTABLE
+
+
+def _state_dtype(q: Tensor, v: Tensor) -> torch.dtype:
+    """The final state's dtype on either path: float64 for float64 q or v (the PyTorch path runs those), else fp32."""
+    return torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
+
+
+@torch.library.custom_op("flashdelta::fused_recurrent_fwd", mutates_args=())
+def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+                        gv: Optional[Tensor], beta: Optional[Tensor], initial_state: Optional[Tensor],
+                        cu_seqlens: Optional[Tensor], A_log: Optional[Tensor], dt_bias: Optional[Tensor], *,
+                        scale: float, output_final_state: bool, use_qk_l2norm: bool, beta_act: int,
+                        state_v_first: bool) -> tuple[Tensor, Tensor]:
+    """The forward of `fused_recurrent_gated_delta_rule` as one graph node for torch.compile (arguments validated by
+    it): the decode kernel where `_kernel_path` allows, else the PyTorch loop. Returns (o, final state); the state is
+    empty (0 elements) without output_final_state, as an op returns tensors only."""
+    opts = dict(scale=scale, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                dt_bias=dt_bias, beta_act=beta_act, state_v_first=state_v_first)
+    tensors = (q, k, v, g, gk, gv, beta, initial_state, A_log, dt_bias, cu_seqlens)
+    if _kernel_path(q, v, False, tensors):
+        from .kernels import decode  # noqa: PLC0415  (imports tilelang: only on the kernel path)
+
+        o, ht = decode.fused_recurrent_fwd(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, **opts)
+    else:
+        cu_host = None
+        if cu_seqlens is not None:
+            cu_host = _check_cu_seqlens(cu_seqlens, None, q.shape[0], q.shape[1], q.device)
+            if cu_host is None:      # under CUDA-graph capture: the loop needs the lengths on the host all the same
+                cu_host = cu_seqlens.cpu()
+        o, ht = _portable(q, k, v, g, gk, gv, beta, initial_state, cu_host, **opts)
+    if ht is None:
+        ht = q.new_empty(0, dtype=_state_dtype(q, v))
+    elif ht is initial_state:
+        ht = ht.clone()
+    return o, ht
+
+
+@fused_recurrent_fwd.register_fake
+def _(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, A_log, dt_bias, *, scale, output_final_state,
+      use_qk_l2norm, beta_act, state_v_first):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = ((N, HV, V, K) if state_v_first else (N, HV, K, V)) if output_final_state else (0,)
+    return v.new_empty(B, T, HV, V), q.new_empty(shape, dtype=_state_dtype(q, v))
 
 
 _warned: set = set()
@@ -191,13 +260,10 @@ def _kernel_path(q: Tensor, v: Tensor, need_grad: bool, tensors: tuple) -> bool:
     if forced == "auto" and dispatch.native_backend(device) != "sm90":
         return False
     if forced == "sm90" and (device.type != "cuda" or dispatch.current_arch(device) != (9, 0)):
-        raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90 needs CUDA tensors on an SM90 (Hopper) GPU; got device "
-                               f"{device} (arch {dispatch.current_arch(device)})")
+        _kernel_path_error(device)
     if need_grad:
         reason = ("the SM90 decode kernel is forward only and an input requires grad (the differentiable PyTorch "
                   "path runs such calls)")
-    elif torch.compiler.is_compiling():
-        reason = "the SM90 decode kernel runs eagerly, not inside torch.compile"
     elif not all(type(x) is Tensor and not is_functorch_wrapped_tensor(x) for x in tensors if isinstance(x, Tensor)):
         reason = "the SM90 decode kernel takes plain tensors (no tensor subclasses or functorch transforms)"
     else:
@@ -213,6 +279,11 @@ def _kernel_path(q: Tensor, v: Tensor, need_grad: bool, tensors: tuple) -> bool:
     if reason is not None and forced == "sm90":
         raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90: {reason}")
     return reason is None
+
+
+def _kernel_path_error(device: torch.device):
+    raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90 needs CUDA tensors on an SM90 (Hopper) GPU; got device "
+                           f"{device} (arch {dispatch.current_arch(device)})")
 
 
 def _check_cu_structure(cu_seqlens, B: int, device: torch.device) -> None:

@@ -1,7 +1,8 @@
 """The SM90 decode kernel (`kernels.decode`) on the CPU: a few of its builds compile for sm_90a, pass the hang checks
 and keep the state in registers (no ptxas spills); the GPU tier's calls (tests/gpu/test_decode.py) reach the kernel
 launcher with the builds `recorded_builds` lists; `sm90.decode_builds` (what `flashdelta.warmup` compiles with
-decode) is the launcher's table; and the dispatch picks the kernel only where it can run.
+decode) is the launcher's table; and the dispatch picks the kernel only where it can run; under torch.compile a forward-only CUDA call is the custom op
+``flashdelta::fused_recurrent_fwd`` (one graph node that launches the kernel), traced without graph breaks.
 
 The compiles are the CI's most expensive part here (~2 s each), so only three builds compile: a model's decode step
 (dense, fp32 g, bf16 beta, l2norm, fp32 state), every option at once (varlen, V-first bf16 state, in-kernel gate with
@@ -185,3 +186,111 @@ def test_kernel_path_does_not_read_cu_seqlens(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="non-decreasing"):
         fused_recurrent_gated_delta_rule(**_x(), cu_seqlens=bad)
+
+
+def _decode_step(q, k, v, g, beta, h0):
+    return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+
+
+def _step_inputs(T=1, **kw):
+    gen = torch.Generator().manual_seed(0)
+    x = dict(q=torch.randn(3, T, 2, 64, generator=gen), k=torch.randn(3, T, 2, 64, generator=gen),
+             v=torch.randn(3, T, 4, 64, generator=gen), g=-torch.rand(3, T, 4, generator=gen),
+             beta=torch.rand(3, T, 4, generator=gen), h0=torch.randn(3, 4, 64, 64, generator=gen))
+    x.update(kw)
+    return x
+
+
+def _graph_ops(fn, x):
+    """(outputs, call targets of the graph) of ``torch.compile(fn, fullgraph=True)`` through AOTAutograd (so the fake
+    implementation runs), with a backend that records the graph and runs it as it is."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record))(**x)
+    return out, seen
+
+
+def test_compile_cpu_traces_the_portable_loop(monkeypatch):
+    """On the CPU, torch.compile(fullgraph=True) traces the PyTorch loop (no graph break, no custom op) and gives the
+    eager result."""
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    x = _step_inputs(T=2)
+    (o, ht), ops = _graph_ops(_decode_step, x)
+    want_o, want_ht = _decode_step(**x)
+    assert not [t for t in ops if "flashdelta" in t] and ops
+    assert torch.allclose(o, want_o, atol=1e-6) and torch.allclose(ht, want_ht, atol=1e-6)
+
+
+def test_compile_cuda_call_is_the_custom_op(monkeypatch):
+    """A forward-only call on a CUDA device traces to one ``flashdelta::fused_recurrent_fwd`` node (its fake
+    implementation gives the shapes; no PyTorch loop in the graph), which runs the kernel's launcher: shown on the
+    CPU with the device decision answering as for CUDA and the launcher replaced by the PyTorch loop. With an input
+    that requires grad the loop is traced instead."""
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    decide = recurrent._compiled_op
+    monkeypatch.setattr(recurrent, "_compiled_op", lambda device, need_grad: decide(torch.device("cuda"), need_grad))
+    monkeypatch.setattr(recurrent, "_kernel_path", lambda q, v, need_grad, tensors: not need_grad)
+    launches = []
+
+    def launcher(q, k, v, g, gk, gv, beta, h0, cu, **opts):
+        launches.append(opts)
+        return recurrent._portable(q, k, v, g, gk, gv, beta, h0, None, **opts)
+
+    monkeypatch.setattr(decode, "fused_recurrent_fwd", launcher)
+    x = _step_inputs()
+    (o, ht), ops = _graph_ops(_decode_step, x)
+    assert ops == ["flashdelta.fused_recurrent_fwd.default"] + ["<built-in function getitem>"] * 2
+    assert len(launches) == 1 and launches[0]["use_qk_l2norm"] and launches[0]["output_final_state"]
+    want_o, want_ht = recurrent._portable(x["q"], x["k"], x["v"], x["g"], None, None, x["beta"], x["h0"], None,
+                                          **launches[0])
+    assert torch.equal(o, want_o) and torch.equal(ht, want_ht)
+
+    def no_final(q, k, v, g, beta, h0):        # the op returns an empty state, the function None
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0)[1] is None
+
+    assert torch.compile(no_final, fullgraph=True, backend="aot_eager")(**x)
+    launches.clear()
+    (o, _), ops = _graph_ops(_decode_step, _step_inputs(q=x["q"].clone().requires_grad_()))
+    assert not launches and not [t for t in ops if "flashdelta" in t]
+
+
+def test_compile_routing():
+    """`recurrent._compiled_op`, the decision inside torch.compile: the op on CUDA without grad (whatever the
+    architecture says: the op decides on the real tensors when it runs), the PyTorch loop otherwise; a forced sm90 on
+    the CPU raises as in eager mode."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    env = os.environ.copy()
+    try:
+        os.environ.pop(dispatch.ENV_BACKEND, None)
+        os.environ[dispatch.ENV_ARCH] = "sm_90a"
+        assert recurrent._compiled_op(cuda, False)
+        assert not recurrent._compiled_op(cuda, True) and not recurrent._compiled_op(cpu, False)
+        os.environ[dispatch.ENV_BACKEND] = "torch"
+        assert not recurrent._compiled_op(cuda, False)
+        os.environ[dispatch.ENV_BACKEND] = "sm90"
+        assert recurrent._compiled_op(cuda, False)
+        with pytest.raises(UnsupportedError, match="SM90"):
+            recurrent._compiled_op(cpu, False)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_custom_op_fake_shapes():
+    """The op's fake implementation: o in v's dtype, the state in either layout (empty without the final state),
+    float64 for float64 inputs; checked with torch.library.opcheck on the CPU (the op runs the loop there)."""
+    x = _step_inputs(T=2)
+    args = (x["q"], x["k"], x["v"], x["g"], None, None, x["beta"], x["h0"], None, None, None)
+    for final in (True, False):
+        for v_first in (False, True):
+            kw = dict(scale=0.125, output_final_state=final, use_qk_l2norm=True, beta_act=0, state_v_first=v_first)
+            torch.library.opcheck(recurrent.fused_recurrent_fwd, args, kw,
+                                  test_utils=("test_schema", "test_faketensor"))

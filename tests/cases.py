@@ -171,6 +171,8 @@ BWD_CASES = [
     BwdCase("empty-only-pad10", (0,), H=2, HV=8, pad=10, beta_dtype=torch.bfloat16),
 ]
 BWD_DET = BWD_CASES[4]
+# chunk_dstate (K-first output): the stage cases in the K-first layout
+DSTATE_CASES = [c for c in BWD_CASES if not c.state_v_first]
 # more than 65,535 sequences, and offsets past 2^31 elements (inputs built in the tests; 2/8 shares the builds above)
 # K = V = 64: the per-sequence tensors (h0, dht, dh0: [N, HV, K, V] fp32) and the states take ~40 GB at 70k
 # sequences, against ~150 GB at K = V = 128

@@ -39,7 +39,8 @@ def _torch_set() -> KernelSet:
     return KernelSet(PORTABLE, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
                      l2norm_fwd=portable.l2norm_fwd_compute, prepare_fwd=portable.prepare_fwd,
                      chunk_fwd=portable.chunk_fwd, state_recompute=portable.state_recompute,
-                     chunk_bwd=portable.chunk_bwd, group_sum=portable.group_sum, prepare_bwd=portable.prepare_bwd)
+                     chunk_bwd=portable.chunk_bwd, chunk_dstate=portable.chunk_dstate, group_sum=portable.group_sum,
+                     prepare_bwd=portable.prepare_bwd)
 
 
 @functools.lru_cache(maxsize=None)

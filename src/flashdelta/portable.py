@@ -33,7 +33,7 @@ import torch
 from .numerics import GATE_FLOOR
 
 __all__ = [
-    "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
+    "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum", "prepare_bwd",
     "chunked_fwd", "chunked_bwd", "l2norm_fwd", "l2norm_bwd", "chunk_layout",
 ]
 
@@ -399,6 +399,18 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
     dGc = torch.where(valid, dGc, zero)
     return (_scatter(dqc, lay, cd), _scatter(dkc, lay, cd), _scatter(dvc, lay, cd), _scatter(dbc, lay, cd),
             _scatter(dGc, lay, cd), _state_out(dS, state_v_first, _state_dtype(cd)))
+
+
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64, compute_dtype=None,
+                 operand_dtype=None):
+    """Each sequence's start gradient from a zero end gradient, ``[N, HV, K, V]`` (K-first): `chunk_bwd`'s dh0 with
+    dht = 0. It depends on dO and the chunk maps only, so `chunk_bwd` runs here on zero values and states."""
+    T, HV, V, K = q.shape[1], do.shape[2], do.shape[3], q.shape[3]
+    NT = chunk_layout(cu_seqlens, T, chunk_size, q.device).NT
+    v = torch.zeros(1, T, HV, V, dtype=do.dtype, device=do.device)
+    h = torch.zeros(NT, HV, K, V, dtype=g_cumsum.dtype, device=q.device)
+    return chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, None, cu_seqlens, scale=scale, chunk_size=chunk_size,
+                     compute_dtype=compute_dtype, operand_dtype=operand_dtype)[5]
 
 
 def group_sum(dx, H, *, compute_dtype=None, operand_dtype=None):

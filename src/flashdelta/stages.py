@@ -7,7 +7,8 @@ cross between backends is fixed by the contract below; everything else is privat
 Forward (`FORWARD`): ``l2norm_fwd`` (q and k, with ``use_qk_l2norm_in_kernel``), ``prepare_fwd`` -> (g_cumsum, A),
 ``chunk_fwd`` -> (o, final state). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` again (recomputed, not
 saved), ``state_recompute`` -> h, ``chunk_bwd`` -> (dq, dk, dv, dbeta, dG, dh0), ``group_sum`` (dq, dk per key head),
-``prepare_bwd`` -> dg.
+``prepare_bwd`` -> dg; with context parallelism also ``chunk_dstate`` -> each partition's start gradient from a zero
+end gradient (chunk_bwd's dh0 with dht = 0, K-first).
 
 Contract between stages (flat varlen form: batch 1, cu_seqlens int32 ``[N + 1]``, chunks of 64 tokens aligned to
 sequence starts):
@@ -29,9 +30,11 @@ from typing import Callable, Optional
 
 import torch
 
-STAGES = ("l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd")
+STAGES = ("l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum",
+          "prepare_bwd")
 FORWARD = ("l2norm_fwd", "prepare_fwd", "chunk_fwd")
-BACKWARD = ("l2norm_fwd", "prepare_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd")
+# chunk_dstate runs only in a backward split by context parallelism (flashdelta.cp)
+BACKWARD = ("l2norm_fwd", "prepare_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum", "prepare_bwd")
 # stages that exchange a backend-private tensor (h): resolved to one backend together
 COUPLED = (("state_recompute", "chunk_bwd"),)
 ANY = "any"     # a `Stage` limit: no limit (the stage does not depend on it)

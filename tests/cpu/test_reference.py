@@ -244,6 +244,11 @@ def test_chunk_fwd_and_bwd_twins(case):
             want[0, s:e] = dG[0, s:e].flip(0).cumsum(0).flip(0)
     assert_close("dg", dg, want, tol=1e-14)
     assert_close("dg", dg, truth["dg"], tol=TIGHT)
+    # chunk_dstate: chunk_bwd's dh0 from a zero end gradient, which needs neither v nor the states (K-first)
+    zero = torch.zeros_like(dh0)
+    F = ref.chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, zero, cu, scale=case.K ** -0.5, state_v_first=svf)[5]
+    F = F.transpose(-1, -2) if svf else F
+    assert_close("dh0", ref.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=case.K ** -0.5), F, tol=1e-12)
 
 
 def test_chunk_size_16_matches():

@@ -15,6 +15,7 @@ from _helpers import Case, assert_close, make_inputs
 
 from flashdelta import portable
 from flashdelta.kernels import chunk_bwd as cb
+from flashdelta.kernels import chunk_dstate as cds
 from flashdelta.reference import chunked as ref
 
 BT = 64
@@ -89,6 +90,24 @@ def test_chunk_bwd(case):
         if end:
             assert_close(name, o[:, :end], r[:, :end], baseline=b[:, :end])
         assert torch.equal(o[:, end:], torch.zeros_like(o[:, end:])), f"{name} on the padding tail must be 0"
+
+
+@pytest.mark.parametrize("case", cases.DSTATE_CASES, ids=str)
+def test_chunk_dstate(case):
+    """The start gradients from a zero end gradient (CP's F) equal the float64 chunk_bwd's dh0 with dht = 0 within
+    the tolerance rule, and the SM90 chunk_bwd's own dh0 with a zero dht to GEMM summation order."""
+    x = _inputs(case)
+    got = cds.chunk_dstate(x["q"], x["k"], x["g_cumsum"], x["beta"], x["A"], x["do"], x["cu_seqlens"],
+                           scale=x["scale"])
+    N = x["cu_seqlens"].shape[0] - 1
+    zero = torch.zeros(N, case.HV, case.K, case.V, device="cuda")
+    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["h"], x["do"], zero, x["cu_seqlens"])
+    want = ref.chunk_bwd(*args, scale=x["scale"])[5]
+    base = portable.chunk_bwd(*args, scale=x["scale"], compute_dtype=torch.float32, operand_dtype=case.dtype)[5]
+    assert got.dtype == torch.float32 and got.shape == (N, case.HV, case.K, case.V)
+    assert_close("dh0", got, want, baseline=base)
+    own = _run(case, dict(x, dht=zero if case.dht else None))[5]    # same operands: equal to summation order
+    assert_close("dh0", got, own.double(), tol=1e-3)
 
 
 @pytest.mark.parametrize("case", [c for c in cases.BWD_CASES if (c.K, c.V) in cb.HEAD_DIMS], ids=str)

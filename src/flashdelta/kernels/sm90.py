@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..stages import ANY, KernelSet, Stage
-from . import chunk_bwd, decode, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
+from . import chunk_bwd, chunk_dstate, decode, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
 
 # (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
 HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
@@ -36,6 +36,7 @@ KERNELS = KernelSet(
     chunk_fwd=fused_fwd.chunk_fwd,
     state_recompute=Stage(fused_fwd.state_recompute, head_dims=chunk_bwd.HEAD_DIMS),   # for chunk_bwd only
     chunk_bwd=Stage(chunk_bwd.chunk_bwd, head_dims=chunk_bwd.HEAD_DIMS),
+    chunk_dstate=Stage(chunk_dstate.chunk_dstate, head_dims=chunk_bwd.HEAD_DIMS),     # CP's backward
     group_sum=Stage(group_sum, head_dims=ANY),
     prepare_bwd=Stage(prepare_bwd.prepare_bwd, head_dims=ANY),     # per value head and token: any K, V
 )
@@ -70,6 +71,7 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
                                                     state_v_first)
             # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
             out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
+            out += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
     return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]
 
 

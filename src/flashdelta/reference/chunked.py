@@ -11,7 +11,8 @@ import torch
 from .. import portable as _p
 
 __all__ = [
-    "l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "group_sum", "prepare_bwd",
+    "l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum",
+    "prepare_bwd",
     "chunked_fwd", "chunked_bwd",
 ]
 
@@ -45,6 +46,11 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
               chunk_size=64):
     return _p.chunk_bwd(_up(q), _up(k), _up(v), _up(g_cumsum), _up(beta), _up(A), _up(h), _up(do), _up(dht),
                         cu_seqlens, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size, **_F64)
+
+
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64):
+    return _p.chunk_dstate(_up(q), _up(k), _up(g_cumsum), _up(beta), _up(A), _up(do), cu_seqlens, scale=scale,
+                           chunk_size=chunk_size, **_F64)
 
 
 def group_sum(dx, H):

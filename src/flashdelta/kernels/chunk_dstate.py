@@ -1,0 +1,212 @@
+"""Start gradients of a reverse chunk walk (Hopper, TileLang): the state gradient dS that each sequence's walk
+reaches at its first chunk when it starts from a zero end gradient, i.e. `chunk_bwd`'s ``dh0`` with ``dht = 0``,
+without the rest of the backward. Context parallelism's backward needs it per partition (F_p, docs/algorithm.md
+§4.3) before it can give every partition its end gradient.
+
+Per chunk c (C = BT = 64; ``G`` the chunk-local gate cumsum; rows past the sequence end zeroed in q, k, dO and A,
+with ``G[len - 1]`` and beta = 0, so they are inert), the dS chain of `chunk_bwd` and nothing else:
+
+    Pg = scale Gamma o Q K^T,  Ag = A o Gamma o beta_j
+    dVd = R o (K dS1) + Pg^T dO;  dv = Ag^T dVd;  dU = -D dv
+    dS0 = e_L dS1 + K^T dU + scale Q^T D dO
+
+Six GEMMs per chunk against `chunk_bwd`'s nineteen, and neither the states (h) nor v: F depends on dO and the
+chunk maps only. Same operand roundings as `chunk_bwd` (bf16/fp16 operands, fp32 accumulation), so its F equals
+the dh0 of a `chunk_bwd` launch with a zero dht up to the GEMMs' summation order.
+
+One CTA (two warpgroups) per (sequence, value head), all of V in the CTA, ``dS^T [V, K]`` fp32 in registers.
+q, k, dO and A arrive by TMA into a two-slot ring, the next chunk's tiles issued when the current chunk starts;
+the gates load into registers one chunk early. Output ``dh0 [N, HV, K, V]`` fp32 (K-first). CTA x index =
+(sequence, value head), sequence slowest.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import tilelang.language as T
+import torch
+
+from . import _tl
+from .chunk_bwd import BT, DTYPES, HEAD_DIMS, LOG2E
+
+THREADS = 256
+NS = 2          # ring slots of q, k, dO, A
+
+
+@_tl.jit()
+def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
+    G = HV // H
+    acc = "float32"
+    assert HV % H == 0 and (K, V) in HEAD_DIMS
+    T_ = T.dynamic("T")
+    N_ = T.dynamic("N")
+
+    @T.macro
+    def issue(c, st, bos, i_h, i_hv, tx, q, k, do, A, q_s, k_s, do_s, a_s, full):
+        # one warp issues the TMA copies of chunk c's tiles into ring slot st
+        t0 = bos + c * BT
+        if tx < 32:
+            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
+            T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s[st, :, :], barrier=full[st])
+            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
+            T.barrier_arrive(full[st])
+
+    @T.macro
+    def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
+        # chunk c's G and beta of row tx into registers (rows past the end: G[len - 1] and beta = 0)
+        t0 = bos + c * BT
+        if tx < BT:
+            gl[0] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
+            gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
+
+    @T.prim_func
+    def chunk_dstate_kernel(
+        q: T.Tensor((1, T_, H, K), dtype),
+        k: T.Tensor((1, T_, H, K), dtype),
+        g: T.Tensor((1, T_, HV), acc),
+        beta: T.Tensor((1, T_, HV), beta_dtype),
+        A: T.Tensor((1, T_, HV, BT), dtype),
+        do: T.Tensor((1, T_, HV, V), dtype),
+        cu_seqlens: T.Tensor((N_ + 1,), "int32"),
+        dh0: T.Tensor((N_, HV, K, V), acc),
+    ):
+        with T.Kernel(N_ * HV, threads=THREADS) as bx:
+            i_n = bx // HV
+            i_hv = bx % HV
+            i_h = i_hv // G
+            tx = T.get_thread_binding()
+
+            q_s = T.alloc_shared((NS, BT, K), dtype)        # Q, then scale D Q in place
+            k_s = T.alloc_shared((NS, BT, K), dtype)
+            do_s = T.alloc_shared((NS, BT, V), dtype)
+            a_s = T.alloc_shared((NS, BT, BT), dtype)
+            ds_s = T.alloc_shared((V, K), dtype)            # dS1^T
+            dvd_s = T.alloc_shared((BT, V), dtype)          # dVd, then dU
+            ag_s = T.alloc_shared((BT, BT), dtype)
+            pg_s = T.alloc_shared((BT, BT), dtype)
+            g_s = T.alloc_shared((BT,), acc)
+            b_s = T.alloc_shared((BT,), acc)
+            gn_s = T.alloc_shared((BT,), acc)               # the next chunk's G and beta
+            bn_s = T.alloc_shared((BT,), acc)
+            eg_s = T.alloc_shared((BT,), acc)               # exp(G)
+            r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
+            full = T.alloc_barrier([32] * NS)
+
+            ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
+            p_f = T.alloc_fragment((BT, BT), acc)
+            dvd_f = T.alloc_fragment((BT, V), acc)
+            dv_f = T.alloc_fragment((BT, V), acc)
+            du_f = T.alloc_fragment((BT, V), dtype)
+            qd_f = T.alloc_fragment((BT, K), dtype)
+            gl = T.alloc_local((2,), acc)
+
+            bos = cu_seqlens[i_n]
+            eos = cu_seqlens[i_n + 1]
+            NT = T.ceildiv(eos - bos, BT)
+            T.clear(ds_f)
+            if NT > 0:
+                issue(NT - 1, 0, bos, i_h, i_hv, tx, q, k, do, A, q_s, k_s, do_s, a_s, full)
+                fetch_gates(NT - 1, bos, eos, i_hv, tx, g, beta, gl)
+                if tx < BT:
+                    gn_s[tx] = gl[0]
+                    bn_s[tx] = gl[1]
+            for cc in T.serial(NT):
+                c = NT - 1 - cc
+                st = cc % NS
+                ln = T.min(eos - (bos + c * BT), BT)
+                T.sync_threads()
+                if c > 0:
+                    # the next chunk's tiles go to the other slot (its last reader, the chunk before, is done)
+                    issue(c - 1, (cc + 1) % NS, bos, i_h, i_hv, tx, q, k, do, A, q_s, k_s, do_s, a_s, full)
+                    fetch_gates(c - 1, bos, eos, i_hv, tx, g, beta, gl)
+                for i in T.Parallel(BT):
+                    g_s[i] = gn_s[i]
+                    b_s[i] = bn_s[i]
+                    eg_s[i] = T.exp2(gn_s[i] * LOG2E)
+                    r_s[i] = T.exp2((gn_s[BT - 1] - gn_s[i]) * LOG2E)
+                T.copy(ds_f, ds_s)                                                      # dS1 as a GEMM operand
+                T.barrier_wait(full[st], (cc // NS) % 2)
+                if ln < BT:
+                    for i, j in T.Parallel(BT, K):
+                        if i >= ln:
+                            q_s[st, i, j] = T.cast(0, dtype)
+                            k_s[st, i, j] = T.cast(0, dtype)
+                    for i, j in T.Parallel(BT, V):
+                        if i >= ln:
+                            do_s[st, i, j] = T.cast(0, dtype)
+                    for i, j in T.Parallel(BT, BT):
+                        if i >= ln:
+                            a_s[st, i, j] = T.cast(0, dtype)
+                T.sync_threads()
+
+                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)   # Q K^T
+                T.wgmma_gemm(k_s[st, :, :], ds_s, dvd_f, transpose_B=True, clear_accum=True)          # K dS1
+                T.wait_wgmma(0)
+                for i, j in T.Parallel(BT, BT):
+                    # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal
+                    gam = T.exp2(T.Select(i >= j, (g_s[i] - g_s[j]) * LOG2E, -T.infinity(acc)))
+                    pg_s[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
+                    ag_s[i, j] = T.cast(T.cast(a_s[st, i, j], acc) * gam * b_s[j], dtype)
+                for i, j in T.Parallel(BT, V):
+                    dvd_f[i, j] = dvd_f[i, j] * r_s[i]
+                T.gemm(pg_s, do_s[st, :, :], dvd_f, transpose_A=True)                  # dVd += Pg^T dO
+                T.copy(dvd_f, dvd_s)
+                T.gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)          # dv = Ag^T dVd
+                for i, j in T.Parallel(BT, V):
+                    du_f[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)                   # dU = -D dv
+                for i, j in T.Parallel(BT, K):
+                    qd_f[i, j] = T.cast(T.cast(q_s[st, i, j], acc) * (eg_s[i] * scale), dtype)
+                for i, j in T.Parallel(V, K):
+                    ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
+                T.sync_threads()
+                T.copy(du_f, dvd_s)
+                T.copy(qd_f, q_s[st, :, :])
+                T.wgmma_gemm(dvd_s, k_s[st, :, :], ds_f, transpose_A=True)             # dS0^T += dU^T K
+                T.wgmma_gemm(do_s[st, :, :], q_s[st, :, :], ds_f, transpose_A=True)    # dS0^T += dO^T (scale D Q)
+                T.wait_wgmma(0)
+                if c > 0:
+                    if tx < BT:
+                        gn_s[tx] = gl[0]
+                        bn_s[tx] = gl[1]
+
+            n64 = T.cast(i_n, "int64")
+            for i, j in T.Parallel(V, K):
+                dh0[n64, i_hv, j, i] = ds_f[i, j]
+
+    return chunk_dstate_kernel
+
+
+def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float) -> tuple:
+    """The `build` arguments (its compile-cache key) for one call."""
+    return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale))
+
+
+def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                    scale: float) -> list:
+    """(label, builder, args) of the kernel `chunk_dstate` launches for these heads, dims and dtypes."""
+    return [(f"chunk_dstate H={H} HV={HV} K={K} V={V}", build,
+             builder_args(H, HV, K, V, dtype, beta_dtype, scale))]
+
+
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=64):
+    """Each sequence's start gradient from a zero end gradient (what `chunk_bwd` returns as dh0 with dht = 0).
+
+    Args:
+        q, k: ``[1, T, H, K]`` bf16/fp16; do: ``[1, T, HV, V]`` (cast to q's dtype); (K, V) in `HEAD_DIMS`.
+        g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
+        cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+
+    Returns:
+        ``[N, HV, K, V]`` fp32 (K-first). One launch of N * HV CTAs; no host synchronisation.
+    """
+    _, T_, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    assert chunk_size == BT and (K, V) in HEAD_DIMS and HV % H == 0
+    assert q.dtype == k.dtype and q.dtype in DTYPES and g_cumsum.dtype == torch.float32
+    out = _tl.alloc((N, HV, K, V), torch.float32, q.device)
+    if T_ == 0 or N == 0:
+        return out.zero_()
+    kernel = build(*builder_args(H, HV, K, V, q.dtype, beta.dtype, scale))
+    kernel(q.contiguous(), k.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.to(q.dtype).contiguous(),
+           do.to(q.dtype).contiguous(), _tl.cu_seqlens_int32(cu_seqlens), out)
+    return out

@@ -242,7 +242,8 @@ def part_offsets(last_index: torch.Tensor) -> torch.Tensor:
     return torch.cat([last_index.new_zeros(1), last_index + 1]).to(torch.int32)
 
 
-def _check(M: torch.Tensor, X: torch.Tensor, init: Optional[torch.Tensor], part_cu: torch.Tensor, names: tuple):
+def _check(M: torch.Tensor, X: torch.Tensor, init: Optional[torch.Tensor], part_cu: torch.Tensor, names: tuple,
+           bv: Optional[int]):
     m, x, i = names
     for name, t in ((m, M), (x, X), (i, init)):
         if t is not None and t.dtype != torch.float32:
@@ -261,15 +262,15 @@ def _check(M: torch.Tensor, X: torch.Tensor, init: Optional[torch.Tensor], part_
     devs = {t.device for t in (M, X, init, part_cu) if t is not None}
     if len(devs) != 1:
         raise ValueError(f"{m}, {x}, {i} and part_cu must be on one device, got {sorted(map(str, devs))}")
-    BV = choose_bv(N, HV, V, _tl.num_sms(X.device) if X.is_cuda else _tl.DEFAULT_NUM_SMS)
+    BV = bv if bv is not None else choose_bv(N, HV, V, _tl.num_sms(X.device) if X.is_cuda else _tl.DEFAULT_NUM_SMS)
     why = unsupported(K, V, BV)
     if why is not None:
         raise ValueError(f"{x}: {why}")
     return P, N, HV, K, V, BV
 
 
-def _scan(M, X, init, part_cu, *, reverse: bool, final: bool, names: tuple):
-    P, N, HV, K, V, BV = _check(M, X, init, part_cu, names)
+def _scan(M, X, init, part_cu, *, reverse: bool, final: bool, names: tuple, bv: Optional[int]):
+    P, N, HV, K, V, BV = _check(M, X, init, part_cu, names, bv)
     out = _tl.alloc((P, HV, K, V), torch.float32, X.device)
     last = _tl.alloc((N, HV, K, V), torch.float32, X.device) if final else None
     if P == 0:
@@ -282,7 +283,7 @@ def _scan(M, X, init, part_cu, *, reverse: bool, final: bool, names: tuple):
 
 
 def scan_fwd(M: torch.Tensor, E: torch.Tensor, h0: Optional[torch.Tensor], part_cu: torch.Tensor, *,
-             final: bool = False):
+             final: bool = False, bv: Optional[int] = None):
     """Every partition's start state, in one launch (`flashdelta.cp.scan_serial`'s result).
 
     Args:
@@ -292,17 +293,18 @@ def scan_fwd(M: torch.Tensor, E: torch.Tensor, h0: Optional[torch.Tensor], part_
         part_cu: ``[N + 1]`` int32 (int64 is converted on the device): sequence n's partitions are the slots
             ``part_cu[n] .. part_cu[n + 1] - 1`` (`part_offsets`); slots past ``part_cu[N]`` are unused.
         final: also return each sequence's final state ``M_last H[last] + E_last`` (one more step per sequence).
+        bv: the V tile (16 or 32); None: `choose_bv`'s.
 
     Returns:
         H ``[P, HV, K, V]`` fp32 (K-first): ``H[first] = h0[n]``, ``H[p + 1] = M_p H[p] + E_p``; 0 on unused slots.
         With `final`: ``(H, final_state [N, HV, K, V])``. One launch of (N + 1) x HV x V / BV CTAs; no host
         synchronisation; M and E of unused slots are never read.
     """
-    return _scan(M, E, h0, part_cu, reverse=False, final=final, names=("M", "E", "h0"))
+    return _scan(M, E, h0, part_cu, reverse=False, final=final, names=("M", "E", "h0"), bv=bv)
 
 
 def scan_bwd(M: torch.Tensor, F: torch.Tensor, dht: Optional[torch.Tensor], part_cu: torch.Tensor, *,
-             final: bool = False):
+             final: bool = False, bv: Optional[int] = None):
     """Every partition's end gradient, in one launch (`flashdelta.cp.scan_grads`' result, `reference.cp.scan_grads`'
     convention).
 
@@ -312,9 +314,10 @@ def scan_bwd(M: torch.Tensor, F: torch.Tensor, dht: Optional[torch.Tensor], part
         dht: ``[N, HV, K, V]`` fp32, the gradients of the sequences' final states, or None (zeros).
         part_cu: as in `scan_fwd`.
         final: also return each sequence's dh0 ``M_first^T D[first] + F_first`` (one more step per sequence).
+        bv: as in `scan_fwd`.
 
     Returns:
         D ``[P, HV, K, V]`` fp32 (K-first): ``D[last] = dht[n]``, ``D[p - 1] = M_p^T D[p] + F_p``; 0 on unused slots.
         With `final`: ``(D, dh0 [N, HV, K, V])``. One launch, as `scan_fwd`.
     """
-    return _scan(M, F, dht, part_cu, reverse=True, final=final, names=("M", "F", "dht"))
+    return _scan(M, F, dht, part_cu, reverse=True, final=final, names=("M", "F", "dht"), bv=bv)

@@ -1,9 +1,11 @@
 """The kernel builds of the GPU tier, from its case tables (tests/cases.py), and the checks every build must pass.
 
 `shipped()`: every build the launchers pick for the GPU tier's cases (the stage tests' launcher calls and the public
-API's forward and backward): what the CPU tier compiles (tests/cpu/test_compile_tier.py). `gpu_tier()`: those and
-the builds the GPU tests ask for through launcher arguments (prepare's persistent kernel and heads-per-CTA splits on
-every case), which bench/precompile.py --tests compiles into a cache for the GPU machine.
+API's forward and backward): what the CPU tier compiles (tests/cpu/test_compile_tier.py). `gpu_tier()`: those, the
+builds the GPU tests ask for through launcher arguments (prepare's persistent kernel and heads-per-CTA splits on
+every case), the decode kernel's (tests/gpu/test_decode.py) and those of the Hugging Face test's GPU run
+(tests/cpu/test_hf_qwen3_next.py through bench/dev/hf_gpu.sh), which bench/precompile.py --tests compiles into a
+cache for the GPU machine.
 
 `hang_checks(src, host)`: properties of the generated CUDA whose violation hangs or fails the launch on the GPU.
 """
@@ -91,6 +93,45 @@ def _e2e_builds() -> dict:
     return out
 
 
+def _decode_builds() -> dict:
+    """The decode kernel's builds of tests/gpu/test_decode.py: its case table and the cases its other tests make
+    (`recorded_builds`: the public function's launches, found on the CPU)."""
+    import importlib.util
+    import os
+    import sys
+
+    from flashdelta.kernels import decode
+
+    name = "gpu_test_decode"
+    mod = sys.modules.get(name)
+    if mod is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "test_decode.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod            # (its dataclass looks its module up)
+        spec.loader.exec_module(mod)
+    Case = mod.DecodeCase
+    extra = [Case("chain", B=3, T=4, gate="bias", beta_act=1), Case("graph", seqlens=(1, 0, 2, 1), pad=1),
+             Case("big", B=2, H=1, HV=1)]
+    out: dict = {}
+    for case, args in mod.recorded_builds(mod.CASES + extra):
+        _add(out, f"decode {case}", decode.build, args)
+    return out
+
+
+def _hf_builds() -> dict:
+    """The SM90 builds of the Hugging Face test on the GPU: its tiny Qwen3-Next's GDN layers (H=2, HV=4, K=V=128,
+    bf16 with bf16 beta, q/k l2norm), prefill with and without the cache's state, the training step's backward and the
+    decode steps (`flashdelta.precompile.variants`, as bench/dev/hf_gpu.sh precompile)."""
+    from flashdelta.precompile import variants
+
+    out: dict = {}
+    for label, b, a in variants([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                num_sms=NUM_SMS, backward=True, decode=True):
+        _add(out, f"hf qwen3-next: {label}", b, a)
+    return out
+
+
 def shipped() -> list:
     """(label, builder, args) of every build the launchers pick for the GPU tier's cases, each once."""
     out = _stage_builds(forced=False)
@@ -102,8 +143,9 @@ def shipped() -> list:
 def gpu_tier() -> list:
     """`shipped()` and the builds the GPU tests ask for through launcher arguments."""
     out = _stage_builds(forced=True)
-    for key, value in _e2e_builds().items():
-        out.setdefault(key, value)
+    for extra in (_e2e_builds(), _decode_builds(), _hf_builds()):
+        for key, value in extra.items():
+            out.setdefault(key, value)
     return list(out.values())
 
 

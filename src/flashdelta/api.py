@@ -432,10 +432,12 @@ def _no_forward_ad(op: str, *xs) -> None:
 
 
 def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, scale=None,
-           initial_state=(False, True), state_v_first=(False,), num_sms=None, backward=False,
+           initial_state=(False, True), state_v_first=(False,), num_sms=None, backward=False, decode=False,
            progress=True) -> float:
-    """Compile the SM90 kernels of the given layer shapes into TileLang's persistent cache: the forward's, and with
-    ``backward=True`` the backward's too (training).
+    """Compile the SM90 kernels of the given layer shapes into TileLang's persistent cache: the forward's, with
+    ``backward=True`` the backward's too (training), and with ``decode=True`` the decode kernel's
+    (`fused_recurrent_gated_delta_rule`: fp32 g, the final state written, dense and varlen input, per initial_state
+    and state_v_first variant; generation).
 
     Args:
         heads: iterable of ``(H, HV)`` pairs, e.g. ``[(16, 64)]``.
@@ -449,4 +451,4 @@ def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch
 
     return _warmup(list(heads), head_dim=tuple(head_dim), dtype=dtype, beta_dtype=beta_dtype, scale=scale,
                    initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), num_sms=num_sms,
-                   backward=bool(backward), progress=progress)
+                   backward=bool(backward), decode=bool(decode), progress=progress)

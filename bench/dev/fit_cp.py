@@ -13,11 +13,31 @@ Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf1
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
 
+With ``--bwd``, the backward instead (heads 2/8, 4/16, 16/32 at 1x8192 and 1x32768 unless given; h0 and dht
+given, fp32 beta):
+
+- per case: the stages whose cost depends on the split, alone: `chunk_bwd` over whole sequences and over the
+  partitions of each L (random states and end gradients), `state_recompute` the same, `chunk_dstate` over the
+  partitions; and forward + backward
+  (`torch.autograd.grad` of o and the final state) through the public API with CP off and with the automatic
+  choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`);
+- a least-squares fit of `BWD_LAUNCH_US`, `BWD_CHUNK_US`, `BWD_ITEM_US` to the chunk_bwd passes (the model of
+  `cp._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model) and `START_GRAD_FACTOR`
+  (chunk_dstate over chunk_bwd on the same partitions);
+- the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
+  picks with the shipped and the fitted constants) and `cp.predict_bwd`'s prediction beside each measured L.
+
     source .device/bootstrap.sh; python3 -u bench/dev/fit_cp.py            # the whole grid (~4-6 min)
     python3 -u bench/dev/fit_cp.py --heads 2/8 --seqlens 1x32768 --L 32 64  # one row
+    python3 -u bench/dev/fit_cp.py --bwd                                    # the backward rows (~3-4 min)
 
 Builds: the fused forward at (K, V) = (128, 128) with and without an initial state, K-first (`flashdelta warmup`'s
-defaults), and prepare_fwd, for each head config.
+defaults), and prepare_fwd, for each head config; with --bwd also state_recompute (with an initial state) and
+chunk_bwd (with dht), K-first, chunk_dstate and prepare_bwd (`flashdelta warmup --backward`'s defaults;
+`cp.builds` lists CP's own). ``--precompile`` compiles exactly the builds of the given mode and heads (on the CPU machine, into
+``TILELANG_CACHE_DIR``) and exits:
+
+    TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/fit_cp.py --bwd --precompile
 """
 import argparse
 import math
@@ -35,6 +55,9 @@ import timing  # noqa: E402
 HEADS = ["2/8", "4/16", "8/32", "16/64"]
 SEQLENS = ["1x32768", "1x8192", "8192x4", "4096x8"]
 LS = [16, 32, 64, 128]
+BWD_HEADS = ["2/8", "4/16", "16/32"]
+BWD_SEQLENS = ["1x8192", "1x32768"]
+BWD_LS = [4, 8, 16, 32, 64, 128]
 
 
 def _items(seqlens, L):
@@ -67,6 +90,19 @@ def _pass_row(items, sms):
     return [1.0, w * longest_ch * (1 - occ), w * longest_ch * occ, w]
 
 
+def _bwd_pass_row(items, sms):
+    """The coefficients of (BWD_LAUNCH_US, BWD_CHUNK_US, BWD_ITEM_US) in `cp._bwd_pass_us` for these items:
+    `launch + w * (longest_chunks * c + o)`, w the wave count at the shipped constants."""
+    from flashdelta import cp
+
+    slots = sms * cp.BWD_CTAS_PER_SM
+    longest_ch = max(ch for ch, cnt in items if cnt)
+    longest = longest_ch * cp.BWD_CHUNK_US + cp.BWD_ITEM_US
+    work = sum(cnt * (ch * cp.BWD_CHUNK_US + cp.BWD_ITEM_US) for ch, cnt in items)
+    w = math.ceil(work / (slots * longest) - 1e-9)
+    return [1.0, w * longest_ch, w]
+
+
 def _lstsq(rows, ys):
     A = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)
@@ -85,13 +121,45 @@ def _count_kernels(fn):
     return len(names), names
 
 
+def _builds(heads, backward):
+    from flashdelta import cp
+    from flashdelta.precompile import variants
+
+    pairs = [tuple(map(int, hh.split("/"))) for hh in heads]
+    out = {}
+    todo = variants(pairs, beta_dtype=torch.float32, qk_l2norm=False, backward=backward, num_sms=132)
+    for H, HV in pairs:
+        todo += cp.builds(H, HV, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5, backward=backward)
+    for label, b, a in todo:
+        out.setdefault((b.__name__, a), (label, b, a))
+    return list(out.values())
+
+
+def precompile(heads, backward):
+    import time
+
+    for label, b, a in _builds(heads, backward):
+        t0 = time.time()
+        b(*a)
+        print(f"{label}: {time.time() - t0:.1f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", nargs="+", default=HEADS)
-    ap.add_argument("--seqlens", nargs="+", default=SEQLENS)
-    ap.add_argument("--L", nargs="+", type=int, default=LS)
+    ap.add_argument("--heads", nargs="+", default=None)
+    ap.add_argument("--seqlens", nargs="+", default=None)
+    ap.add_argument("--L", nargs="+", type=int, default=None)
+    ap.add_argument("--bwd", action="store_true", help="the backward rows (forward + backward with CP vs serial)")
+    ap.add_argument("--precompile", action="store_true", help="compile this mode's builds (CPU machine) and exit")
     ap.add_argument("--budget-ms", type=float, default=60.0, help="timing budget per runner")
     args = ap.parse_args()
+    args.heads = args.heads or (BWD_HEADS if args.bwd else HEADS)
+    args.seqlens = args.seqlens or (BWD_SEQLENS if args.bwd else SEQLENS)
+    args.L = args.L or (BWD_LS if args.bwd else LS)
+    if args.precompile:
+        return precompile(args.heads, args.bwd)
+    if args.bwd:
+        return bwd_main(args)
 
     from flashdelta import chunk_gated_delta_rule, cp, dispatch
     from flashdelta.kernels import fused_fwd, prepare
@@ -214,6 +282,134 @@ def main():
         worst = max(worst, t_fit / r["best"])
         print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
               f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f}")
+    print(f"worst chosen/best with the fitted constants: {worst:.3f}")
+    for n, x in shipped.items():
+        setattr(cp, n, x)
+
+
+def bwd_main(args):
+    from flashdelta import autograd as fda
+    from flashdelta import chunk_gated_delta_rule, cp
+    from flashdelta.kernels import chunk_bwd as kbwd
+    from flashdelta.kernels import chunk_dstate, fused_fwd, prepare
+
+    dev = torch.device("cuda")
+    sms = cp.num_sms(dev)
+    stream = torch.cuda.Stream()
+    flush = timing.L2Flush()
+    bwd_rows, bwd_y, states_model, states_y, dstate_y, dstate_bwd, table = [], [], [], [], [], [], []
+    print(f"SMs {sms}; shipped constants: " + ", ".join(
+        f"{n}={getattr(cp, n)}" for n in ("BWD_CHUNK_US", "BWD_ITEM_US", "BWD_LAUNCH_US", "RECOMPUTE_FACTOR",
+                                          "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US")))
+    for hh in args.heads:
+        H, HV = map(int, hh.split("/"))
+        for sl in args.seqlens:
+            seqlens = shapes.parse_seqlens(sl)
+            inp = providers.make_inputs(seqlens, H, HV, seed=0, requires_grad=True)
+            leaves = inp.leaves()
+            q, k, v, g, beta, h0 = (x.detach() for x in leaves)
+            cu, do, dht, scale = inp.cu, inp.do, inp.dht, inp.scale
+            T, N = q.shape[1], len(seqlens)
+            kw = dict(T=T, N=N, HV=HV, K=128, V=128, sms=sms, lengths=list(seqlens))
+            Lf = cp.choose(**kw)
+            g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+            h_serial = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu)
+
+            def fb(code):
+                o, ht = fda.forward(*leaves, cu, scale, False, False, True, code)
+                return torch.autograd.grad((o, ht), leaves, (do, dht))
+
+            def fb_api(**kw_api):
+                o, ht = chunk_gated_delta_rule(*leaves, cu_seqlens=cu, output_final_state=True, **kw_api)
+                return torch.autograd.grad((o, ht), leaves, (do, dht))
+
+            steps = {"fb_off": lambda: fb_api(context_parallel=False),
+                     "fb_auto": lambda: fb_api(cu_seqlens_cpu=inp.cu_host),
+                     "states_serial": lambda: fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
+                     "bwd_pass_serial": lambda: kbwd.chunk_bwd(q, k, v, g_cumsum, beta, A, h_serial, do, dht, cu,
+                                                               scale=scale)}
+            plans = {}
+            for L in sorted(set(args.L) | {cp.choose_bwd(**kw)} - {0}):
+                if L >= -(-max(seqlens) // 64):
+                    continue
+                plan = plans[L] = cp.make_plan(cu, T, L)
+                H0 = torch.randn(plan.P, HV, 128, 128, device=dev)
+                dS = torch.randn(plan.P, HV, 128, 128, device=dev) / 8
+                hp = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, H0, plan.cu)
+                steps[f"states_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.state_recompute(
+                    k, v, g_cumsum, beta, A, H0, plan.cu))
+                steps[f"bwd_pass_L{L}"] = (lambda plan=plan, hp=hp, dS=dS: kbwd.chunk_bwd(
+                    q, k, v, g_cumsum, beta, A, hp, do, dS, plan.cu, scale=scale))
+                steps[f"dstate_L{L}"] = (lambda plan=plan: chunk_dstate.chunk_dstate(
+                    q, k, g_cumsum, beta, A, do, plan.cu, scale=scale))
+                steps[f"fb_L{L}"] = lambda L=L: fb(cp.encode(Lf, L))
+            runners = {}
+            for name, fn in steps.items():
+                try:
+                    runners[name] = timing.make_runner(fn, stream=stream, allow_eager=False)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the other steps
+                    print(f"  {hh} {sl} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            us = {n: 1e3 * t.ms for n, t in timing.time_runners(runners, stream=stream, budget_ms=args.budget_ms,
+                                                                flush=flush).items()}
+            whole = [(c, n) for c, n in _items(seqlens, 0)]
+            bwd_rows.append(_bwd_pass_row([(c, n * HV) for c, n in whole], sms))
+            bwd_y.append(us["bwd_pass_serial"])
+            states_model.append(cp._pass_us([(c, n * HV * 2) for c, n in whole], sms))
+            states_y.append(us["states_serial"])
+            for L in plans:
+                items = _items(seqlens, L)
+                if f"bwd_pass_L{L}" in us:
+                    bwd_rows.append(_bwd_pass_row([(c, n * HV) for c, n in items], sms))
+                    bwd_y.append(us[f"bwd_pass_L{L}"])
+                if f"dstate_L{L}" in us and f"bwd_pass_L{L}" in us:
+                    dstate_y.append(us[f"dstate_L{L}"])
+                    dstate_bwd.append(us[f"bwd_pass_L{L}"])
+                if f"states_L{L}" in us:
+                    states_model.append(cp._pass_us([(c, n * HV * 2) for c, n in items], sms))
+                    states_y.append(us[f"states_L{L}"])
+            fbt = {L: us[f"fb_L{L}"] for L in plans if f"fb_L{L}" in us}
+            best = min([us["fb_off"]] + list(fbt.values()))
+            best_L = min(fbt, key=fbt.get) if fbt and min(fbt.values()) < us["fb_off"] else 0
+            pred = {L: cp.predict_bwd(L=L, **kw) for L in plans}
+            table.append(dict(heads=hh, seqlens=sl, kw=kw, off=us["fb_off"], auto=us["fb_auto"], fb=fbt, best=best,
+                              best_L=best_L, chosen=cp.choose_bwd(**kw), Lf=Lf))
+            print(f"{hh:>6} {sl:>10}  fwd+bwd off {us['fb_off']:9.1f} us  auto(fwd L={Lf}, bwd L="
+                  f"{cp.choose_bwd(**kw)}) {us['fb_auto']:9.1f}  "
+                  + "  ".join(f"L{L} {t:9.1f}" for L, t in fbt.items()), flush=True)
+            ser = cp.predict_bwd(L=1, **kw)
+            print(f"{'':>17}  chunk_bwd serial {us['bwd_pass_serial']:.1f} (model {ser['serial_bwd']:.1f}), "
+                  f"recompute serial {us['states_serial']:.1f} (model {ser['serial_states']:.1f}); "
+                  + ", ".join(f"L{L}: pass {us.get(f'bwd_pass_L{L}', float('nan')):.1f} (model {pred[L]['bwd']:.1f}) "
+                              f"recompute {us.get(f'states_L{L}', float('nan')):.1f} (model {pred[L]['states']:.1f}) "
+                              f"dstate {us.get(f'dstate_L{L}', float('nan')):.1f} (model {pred[L]['start']:.1f}) "
+                              f"bwd model {pred[L]['cp']:.1f} vs serial {pred[L]['serial']:.1f}" for L in plans),
+                  flush=True)
+            del inp, runners, steps, h_serial, plans
+            torch.cuda.empty_cache()
+
+    fit = {}
+    if len(bwd_rows) >= 3:
+        launch, c, o = _lstsq(bwd_rows, bwd_y)
+        fit.update(BWD_LAUNCH_US=launch, BWD_CHUNK_US=c, BWD_ITEM_US=o)
+    if states_y:
+        fit.update(RECOMPUTE_FACTOR=sum(states_y) / sum(states_model))
+    if dstate_y:
+        fit.update(START_GRAD_FACTOR=sum(dstate_y) / sum(dstate_bwd))
+    print("\nfitted constants (paste into src/flashdelta/cp.py):")
+    for n, x in fit.items():
+        print(f"  {n} = {x:.4g}")
+    shipped = {n: getattr(cp, n) for n in fit}
+    for n, x in fit.items():
+        setattr(cp, n, x)
+    print(f"\n{'heads':>6} {'seqlens':>10} {'off us':>9} {'best us':>9} {'best L':>6} {'ship L':>6} {'fit L':>6} "
+          f"{'auto us':>9} {'fit/best':>8} {'off/auto':>8}")
+    worst = 1.0
+    for r in table:
+        fit_L = cp.choose_bwd(**r["kw"])
+        t_fit = r["fb"].get(fit_L, r["off"]) if fit_L else r["off"]
+        worst = max(worst, t_fit / r["best"])
+        print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
+              f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f} {r['off'] / r['auto']:8.3f}")
     print(f"worst chosen/best with the fitted constants: {worst:.3f}")
     for n, x in shipped.items():
         setattr(cp, n, x)

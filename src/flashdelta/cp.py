@@ -23,8 +23,8 @@ host information (T, N, L), so CUDA graphs capture it and replay it with new len
 nothing here reads device data on the host.
 
 The backward (`cp_chunk_bwd`) mirrors it on the same kind of plan: the start states as above (M, E, scan), then
-`state_recompute` over the partitions from them; a first `chunk_bwd` over the partitions with a zero end gradient
-gives each partition's start gradient F_p (`_start_grads`; its other outputs are discarded); the reverse scan
+`state_recompute` over the partitions from them; `chunk_dstate` over the partitions (the dS chain of `chunk_bwd`
+from a zero end gradient) gives each partition's start gradient F_p (`_start_grads`); the reverse scan
 ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
 end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG exact for the whole sequences and the
 sequences' dh0 (their first partitions'). The gate-driven warm-up (docs/algorithm.md §4.4) is not implemented.
@@ -87,7 +87,7 @@ BWD_ITEM_US = 8.0               # chunk_bwd per CTA: dht load, pipeline fill, dh
 BWD_LAUNCH_US = 9.0             # chunk_bwd per launch, fixed
 BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
 RECOMPUTE_FACTOR = 1.25         # state_recompute's time over the forward pass model's
-START_GRAD_FACTOR = 1.0         # the start-gradient pass (`_start_grads`) over a full chunk_bwd; ~1/3 with a dS-only build
+START_GRAD_FACTOR = 0.35        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states (a prediction)
 BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
 MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
 # the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave
@@ -251,7 +251,7 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
                 seq_len: Optional[int] = None) -> dict:
     """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
     whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
-    partitions, the start-gradient chunk_bwd (`START_GRAD_FACTOR` of a full one), the reverse scan, the second
+    partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
     chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
     way and are left out."""
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
@@ -615,15 +615,11 @@ def _as_param(x: Optional[Tensor], kset) -> Optional[Tensor]:
     return None if x is None else x.to(kset.param_dtype(x.dtype)).contiguous()
 
 
-def _start_grads(chunk_bwd, q, k, v, g_cumsum, beta, A, h, do, plan: CPPlan, *, scale: float, dtype) -> Tensor:
-    """``F [P, HV, K, V]`` (K-first): each partition's start gradient from a zero end gradient, the dh0 of
-    `chunk_bwd` over the partitions with dht = 0 (its other outputs are discarded). F depends on dO and the
-    chunk maps only, not on the states; a dS-only build of chunk_bwd (the dVd -> dv -> dU -> dS chain, no dq, dk,
-    dbeta, dG, no stores) would take its place here. The zero dht is a tensor, so the launch is the same build as
-    the second pass's."""
-    HV, K, V = v.shape[2], k.shape[-1], v.shape[-1]
-    zero = torch.zeros(plan.P, HV, K, V, dtype=dtype, device=v.device)
-    return chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, zero, plan.cu, scale=scale, state_v_first=False)[5]
+def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, scale: float) -> Tensor:
+    """``F [P, HV, K, V]`` (K-first): each partition's start gradient from a zero end gradient, by the
+    `chunk_dstate` stage over the partitions (chunk_bwd's dh0 with dht = 0: only the dS chain, neither v nor the
+    states). `chunk_bwd` over the partitions with a zero dht gives the same F at the cost of a whole backward."""
+    return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale)
 
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
@@ -632,11 +628,11 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     (`make_plan` of the same cu_seqlens), exact: what `chunk_bwd` returns for the whole sequences, ``(dq, dk
     [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``.
 
-    `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes; state_recompute and chunk_bwd from
-    one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None) and dht (the same,
+    `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes, chunk_dstate for F; state_recompute
+    and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None) and dht (the same,
     or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes. `scan` as in
     `cp_chunk_fwd`, for both scans. Steps: (M, E) by two chunk_fwd launches (`summaries`) and the scan give every
-    partition's start state; state_recompute over the partitions from them; chunk_bwd with dht = 0 gives F
+    partition's start state; state_recompute over the partitions from them; chunk_dstate gives F
     (`_start_grads`); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those
     gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each
     sequence's first partition, its dh0. No host synchronisation.
@@ -653,7 +649,8 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     H = scan_states(M, E, plan, h0, scan)
     b = _as_param(beta, bks)
     h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
-    Fp = _start_grads(bks.chunk_bwd, q, k, v, g_cumsum, b, A, h, do, plan, scale=scale, dtype=M.dtype)
+    dks = backends.kset("chunk_dstate")
+    Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
@@ -669,10 +666,10 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
            backward: bool = False) -> list:
     """(label, builder, args) of the SM90 builds CP launches: the fused forward at value width V without an initial
     state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first; with `backward`,
-    also the backward's state_recompute (fp32 start states) and chunk_bwd (with dht: both passes), K-first, where
+    also the backward's state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate, where
     chunk_bwd supports (K, V). At K = V these are the serial passes' default K-first builds (`flashdelta warmup`
     compiles them); a V-first caller's serial path uses its own V-first builds, CP these."""
-    from .kernels import chunk_bwd, fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
+    from .kernels import chunk_bwd, chunk_dstate, fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
 
     todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
     if K != V:
@@ -680,4 +677,5 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
+        todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
     return [(f"cp {label}", b, args) for label, b, args in todo]

@@ -5,7 +5,7 @@
   `scan_states`;
 - CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
   with a never-decaying head, h0 present / absent, both state layouts, GVA; torch.compile(fullgraph=True) traces it;
-- the CP backward: the start-gradient pass gives the reference's F, both reverse scans equal `scan_grads`; every
+- the CP backward: chunk_dstate over the partitions gives the reference's F, both reverse scans equal `scan_grads`; every
   gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the API cases above with dht
   present and absent (an unused final state's gradient is materialised as zeros), the backward really split;
 - the request parsing (argument, FLASHDELTA_CP) and the cost models' decisions (forward and backward apart).
@@ -156,8 +156,7 @@ def test_start_grads_and_reverse_scans_match_the_reference():
     parts = rcp.partition(cu, L)
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     F, M = rcp.grad_summaries(q, k, v, g_cumsum, beta, A, do, parts, scale=0.25)
-    h = portable.state_recompute(k, v, g_cumsum, beta, A, None, plan.cu)      # F does not read the states
-    Fd = cp._start_grads(portable.chunk_bwd, q, k, v, g_cumsum, beta, A, h, do, plan, scale=0.25, dtype=F64)
+    Fd = cp._start_grads(portable.chunk_dstate, q, k, g_cumsum, beta, A, do, plan, scale=0.25)
     assert_close("F", Fd[:parts.P], F, tol=1e-12)
     Md, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
     for dht in (torch.randn(x["initial_state"].shape, dtype=F64), None):

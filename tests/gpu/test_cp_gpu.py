@@ -1,10 +1,16 @@
-"""The CP forward (`flashdelta.cp`) on the sm90 backend, through the public API: CP on vs off against the float64
-reference (with the bf16 PyTorch baseline), the plan against the reference's partition, gradients unchanged,
-the automatic choice on a long sequence, and CUDA-graph capture replayed with new lengths.
+"""CP (`flashdelta.cp`) on the sm90 backend, through the public API.
 
-Builds (bf16, beta bf16, fp32 states, scale K^-0.5, K-first unless said): the fused forward at H=2, HV=8 for
-(K, V) = (128, 128) with and without an initial state, V-first with one (the serial side of the V-first case), and
-(128, 256) with and without one; prepare_fwd at 2/8, K = 128.
+Forward: CP on vs off against the float64 reference (with the bf16 PyTorch baseline), the plan against the
+reference's partition, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths.
+Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
+the serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192); one CUDA
+graph of forward + backward with CP replayed with new lengths.
+
+Builds: `builds()` lists every kernel these tests launch (CP's own, `cp.builds`, and the serial passes they are
+compared with, `flashdelta.precompile.variants`); compile them on the CPU machine with
+
+    TILELANG_CACHE_DIR=.cache/tl-ship python3 -c "import sys; sys.path[:0] = ['tests', 'tests/gpu']; \
+        import test_cp_gpu; test_cp_gpu.precompile()"
 """
 import pytest
 import torch
@@ -13,6 +19,37 @@ from _helpers import Case, assert_close, make_inputs
 from flashdelta import chunk_gated_delta_rule, cp, portable
 from flashdelta.reference import cp as rcp
 from flashdelta.reference.chunked import chunked_fwd
+
+
+def _variants(case, backward: bool):
+    """The serial passes' builds for `case` (bf16 with bf16 beta, fp32 h0, its layout and initial state) and CP's."""
+    from flashdelta.precompile import variants
+
+    K, V = case.K, case.V
+    out = variants([(case.H, case.HV)], head_dim=(K, V), beta_dtype=torch.bfloat16, qk_l2norm=False,
+                   initial_state=(case.h0,), state_v_first=(case.state_v_first,), backward=backward, num_sms=132)
+    return out + cp.builds(case.H, case.HV, K, V, torch.bfloat16, torch.bfloat16, K ** -0.5, backward=backward)
+
+
+def builds() -> list:
+    """(label, builder, args) of every SM90 build this file launches, without duplicates."""
+    todo = [(c, False) for c, _ in CASES] + [(c, True) for c, _ in BWD_CASES]
+    todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True)]
+    out = {}
+    for case, backward in todo:
+        for label, b, a in _variants(case, backward):
+            out.setdefault((b.__name__, a), (f"{case.name}: {label}", b, a))
+    return list(out.values())
+
+
+def precompile() -> None:
+    import time
+
+    for label, b, a in builds():
+        t0 = time.time()
+        b(*a)
+        print(f"{label}: {time.time() - t0:.1f} s", flush=True)
+
 
 CASES = [
     # (case, partition chunks)
@@ -63,29 +100,13 @@ def test_cp_matches_reference_and_serial(case, L, monkeypatch):
     assert calls[0].cu[:want.P + 1].tolist() == list(want.cu_seqlens)
 
 
-def test_cp_gradients_unchanged(monkeypatch):
-    """With gradients the forward still splits (same o to rounding) and the backward is the serial one (auto
-    dispatch: the SM90 kernels it has, the portable path for the rest): bitwise the same gradients."""
-    monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
-    case = Case("cp-grad", (1500, 1, 400), H=2, HV=8, K=128, V=128)
-    grads = []
-    for cpv in (False, 4):
-        x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
-        dht = torch.randn(ht.shape, generator=gen, device="cuda")
-        grads.append(torch.autograd.grad((o, ht), [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")],
-                                         (do, dht)) + (o,))
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[0], grads[1]):
-        assert torch.equal(a, b), name
-    assert_close("o", grads[1][-1], grads[0][-1], tol=2e-2)
+AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)
+GRAPH = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 
 
 def test_auto_splits_a_long_sequence_on_few_heads(monkeypatch):
     monkeypatch.delenv(cp.ENV_CP, raising=False)
-    case = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    x = make_inputs(AUTO_FWD, dtype=torch.bfloat16, device="cuda")
     calls = []
     real = cp.cp_chunk_fwd
     monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
@@ -101,8 +122,7 @@ def test_cp_graph_replays_with_new_lengths(monkeypatch):
     """The plan lives on the device: a graph captured with CP replays with other lengths (same N and T) and
     gives what an eager call with those lengths gives."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    case = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    x = make_inputs(GRAPH, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -125,3 +145,133 @@ def test_cp_graph_replays_with_new_lengths(monkeypatch):
             assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e), cu
             assert_close("o", o_g, o_s, tol=2e-2)
             assert_close("ht", ht_g, ht_s, tol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------- backward
+
+BWD_CASES = [
+    # (case, partition chunks); dht present in the even rows, absent (autograd's zeros) in the odd ones
+    (Case("cp-bwd-edges", (2000, 1, 700, 0, 130, 64), H=2, HV=8, K=128, V=128, pad=7), 4),
+    (Case("cp-bwd-bench-vfirst-noh0", (1500, 900), H=2, HV=8, K=128, V=128, state_v_first=True, h0=False,
+          gate="bench"), 3),
+    (Case("cp-bwd-dense-zero-gate", (1024, 1024), H=4, HV=4, K=128, V=128, varlen=False, gate="zero"), 4),
+    (Case("cp-bwd-k64-short", (1200, 3, 40), H=2, HV=4, K=64, V=64), 5),
+]
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
+GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
+
+
+def _loss_grads(x, o, ht, do, dht):
+    acc = torch.float64 if o.dtype == torch.float64 else torch.float32
+    loss = (o.to(acc) * do.to(acc)).sum()
+    if dht is not None:
+        loss = loss + (ht.to(acc) * dht.to(acc)).sum()
+    names = [n for n in GRAD_INPUTS if x[n] is not None]
+    return dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names])))
+
+
+def _cp_grads(x, cpv, do, dht):
+    x = {n: (t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+         for n, t in x.items()}
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
+    return o, _loss_grads(x, o, ht, do, dht)
+
+
+@pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
+def test_cp_backward_matches_recurrence_and_serial(i, monkeypatch):
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    case, L = BWD_CASES[i]
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    N = len(case.seqlens)
+    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
+    dht = torch.randn(shape, generator=gen, device="cuda") if i % 2 == 0 else None
+    calls = []
+    real = cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    _, ser = _cp_grads(x, False, do, dht)
+    assert calls == []
+    o, got = _cp_grads(x, L, do, dht)
+    assert calls == [L], "the backward split"
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
+    want = _loss_grads(x64, o_ref, ht_ref, do, dht)
+    for n in got:
+        name = GRAD_NAMES[n]
+        assert got[n].dtype == x[n].dtype, f"{name} must come back in {n}'s dtype"
+        err = assert_close(name, got[n], want[n])
+        err_ser = assert_close(name, ser[n], want[n])
+        print(f"{case.name} {name}: CP {err:.3e} serial {err_ser:.3e}")
+        assert err <= 1.5 * err_ser + 1e-4, f"{name}: CP no less accurate than serial"
+        assert_close(name, got[n], ser[n], tol=2e-2)
+    if case.pad:
+        for n in ("q", "k", "v", "g", "beta"):
+            assert torch.all(got[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"
+
+
+AUTO_BWD = Case("cp-auto-bwd", (8192,), H=16, HV=32, K=128, V=128)
+
+
+def test_auto_splits_the_backward_alone(monkeypatch):
+    """16/32 1x8192: the forward fills 64 CTAs and stays serial; the backward (32 CTAs of 128 chunks, ~22 us each)
+    splits."""
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
+    x = make_inputs(AUTO_BWD, dtype=torch.bfloat16, device="cuda")
+    fwd, bwd = [], []
+    real_f, real_b = cp.cp_chunk_fwd, cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: fwd.append(kw["plan"].L) or real_f(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or real_b(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    _, auto = _cp_grads(x, None, do, None)
+    assert fwd == [] and len(bwd) == 1 and bwd[0] > 0, (fwd, bwd)
+    _, off = _cp_grads(x, False, do, None)
+    for n in auto:
+        assert_close(GRAD_NAMES[n], auto[n], off[n], tol=2e-2)
+
+
+BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
+
+
+def test_cp_forward_backward_graph_replays_with_new_lengths(monkeypatch):
+    """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
+    with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
+    rounding."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = make_inputs(BWD_GRAPH, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    leaves = [x[n] for n in GRAD_INPUTS]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    calls = []
+    real = cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+
+    def step(cpv=4):
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
+        return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        step()                                                                     # warm-up
+        with torch.cuda.graph(graph, stream=s):
+            g_graph = step()
+    torch.cuda.current_stream().wait_stream(s)
+    assert calls == [4, 4]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
+    for cu in ([0, 10, 4000, 5001], [0, 0, 5001, 5001], [0, 2500, 2600, 4900]):   # new lengths, same N and T
+        with torch.no_grad():
+            x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu
+        for name, a, b in zip(("o",) + tuple(GRAD_NAMES[n] for n in GRAD_INPUTS), g_graph, step(False)):
+            assert_close(name, a, b, tol=2e-2)

@@ -27,6 +27,10 @@ case "${1:-run}" in
     cat "$D/SOURCE"; du -sh "$D" ;;
   run)
     shift $(( $# > 0 ? 1 : 0 ))
+    # a warm machine whose /tmp/site an earlier call's bootstrap unpacked: .device need not be carried again
+    if ! python3 -c "import fla" 2> /dev/null && [ -f /tmp/site/.ready ]; then
+      export PYTHONPATH=/tmp/site:$PWD/.device/peers:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} FLA_FLASH_QLA=0
+    fi
     [ -f "$D/tests/ops/test_gdn.py" ] || { echo "stage FLA's test file first: bash bench/dev/fla_tests.sh stage" >&2; exit 2; }
     python3 -c "import fla, einops, flashdelta; print('fla', fla.__version__, '| flashdelta', flashdelta.__file__)" \
       || { echo "needs FLA (source .device/bootstrap.sh on the GPU machine) and flashdelta on PYTHONPATH" >&2; exit 2; }

@@ -32,9 +32,14 @@ case "${1:-run}" in
     : "${TILELANG_CACHE_DIR:?set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried}"
     FLASHDELTA_ARCH=sm_90a PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} python3 -c "
 import torch, flashdelta
-print(f'{flashdelta.warmup([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
-                           num_sms=132, backward=True, decode=True):.0f} s')" ;;
+s = flashdelta.warmup([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16, num_sms=132,
+                      backward=True, decode=True)
+print(f'{s:.0f} s')" ;;
   run)
+    # a warm machine whose /tmp/site an earlier call's bootstrap unpacked: .device need not be carried again
+    if ! python3 -c "import tilelang" 2> /dev/null && [ -f /tmp/site/.ready ]; then
+      export PYTHONPATH=/tmp/site:$PWD/.device/peers:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} FLA_FLASH_QLA=0
+    fi
     ls "$W"/transformers-*.whl > /dev/null || { echo "carry $W (bash bench/dev/hf_gpu.sh stage)" >&2; exit 2; }
     if [ ! -f $SITE/.ready ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$W"/*.whl 2>&1 | grep -v -i warning

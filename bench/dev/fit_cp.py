@@ -34,8 +34,8 @@ given, fp32 beta):
 Builds: the fused forward at (K, V) = (128, 128) with and without an initial state, K-first (`flashdelta warmup`'s
 defaults), and prepare_fwd, for each head config; with --bwd also state_recompute (with an initial state) and
 chunk_bwd (with dht), K-first, chunk_dstate and prepare_bwd (`flashdelta warmup --backward`'s defaults;
-`cp.builds` lists CP's own). ``--precompile`` compiles exactly the builds of the given mode and heads (on the CPU machine, into
-``TILELANG_CACHE_DIR``) and exits:
+`cp.builds` lists CP's own). ``--precompile`` compiles exactly the builds of the given mode and heads (on the CPU
+machine, into ``TILELANG_CACHE_DIR``) and exits:
 
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/fit_cp.py --bwd --precompile
 """

@@ -629,8 +629,8 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``.
 
     `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes, chunk_dstate for F; state_recompute
-    and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None) and dht (the same,
-    or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes. `scan` as in
+    and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None)
+    and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes. `scan` as in
     `cp_chunk_fwd`, for both scans. Steps: (M, E) by two chunk_fwd launches (`summaries`) and the scan give every
     partition's start state; state_recompute over the partitions from them; chunk_dstate gives F
     (`_start_grads`); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those
@@ -669,7 +669,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     also the backward's state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate, where
     chunk_bwd supports (K, V). At K = V these are the serial passes' default K-first builds (`flashdelta warmup`
     compiles them); a V-first caller's serial path uses its own V-first builds, CP these."""
-    from .kernels import chunk_bwd, chunk_dstate, fused_fwd  # noqa: PLC0415 - TileLang only where SM90 builds are listed
+    from .kernels import chunk_bwd, chunk_dstate, fused_fwd  # noqa: PLC0415 - TileLang only where builds are listed
 
     todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
     if K != V:

@@ -1,13 +1,14 @@
-"""The device-side CP forward (`flashdelta.cp`) on the portable backend, on the CPU.
+"""The device-side CP forward and backward (`flashdelta.cp`) on the portable backend, on the CPU.
 
 - the device plan equals the float64 reference's `partition` (ragged edges, empty and short sequences, dense);
 - the summary launches (zero values from I; v from 0) give the reference's (M, E); both scans equal
   `scan_states`;
 - CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
   with a never-decaying head, h0 present / absent, both state layouts, GVA; torch.compile(fullgraph=True) traces it;
-- the CP backward: chunk_dstate over the partitions gives the reference's F, both reverse scans equal `scan_grads`; every
-  gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the API cases above with dht
-  present and absent (an unused final state's gradient is materialised as zeros), the backward really split;
+- the CP backward: chunk_dstate over the partitions gives the reference's F, both reverse scans equal
+  `scan_grads`; every gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the
+  API cases above with dht present and absent (an unused final state's gradient is materialised as zeros), the
+  backward really split;
 - the request parsing (argument, FLASHDELTA_CP) and the cost models' decisions (forward and backward apart).
 """
 from __future__ import annotations
@@ -291,7 +292,8 @@ def test_decide_on_the_cost_model(monkeypatch):
     bwd_dims = Stage(portable.chunk_bwd, head_dims=((128, 128), (64, 64)))
     ks = KernelSet("sm90", dtypes=(torch.bfloat16,), head_dims=((128, 128), (64, 64), (128, 256)),
                    chunk_fwd=portable.chunk_fwd)
-    ks_bwd = ks._replace(chunk_bwd=bwd_dims, state_recompute=Stage(portable.state_recompute, head_dims=bwd_dims.head_dims))
+    ks_bwd = ks._replace(chunk_bwd=bwd_dims,
+                         state_recompute=Stage(portable.state_recompute, head_dims=bwd_dims.head_dims))
     portable_set = dispatch.load("torch")
     monkeypatch.setattr(cp, "num_sms", lambda device: 132)
     dev = torch.device("cuda", 0)

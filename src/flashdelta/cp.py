@@ -72,6 +72,8 @@ ITEM_US = 4.9                   # per CTA: start, pipeline fill, drain
 LAUNCH_US = 9.0                 # per fused launch, fixed
 SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
 SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
+SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
+SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
 HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
@@ -214,9 +216,17 @@ def bounds(T: int, N: int, L: int, seq_len: Optional[int] = None) -> tuple:
     return N + T // W, max(1, -(-T // W))
 
 
-def scan_cost(P: int, J: int, HV: int, K: int, V: int) -> tuple:
-    """(microseconds, method) of the cheaper scan: ``"serial"`` (J steps) or ``"log"`` (ceil(log2 J) levels of
-    batched [K, K] x [K, K + V] GEMMs over every partition)."""
+def _kernel_step_us(N: int, HV: int, V: int) -> float:
+    """One step of the scan kernel: its V tile (`kernels.cp_scan.choose_bv`'s rule) sets the FMAs per step."""
+    return SCAN_KERNEL_STEP_US * (1.0 if V % 32 or N * HV * (V // 16) <= 132 else 5.0 / 3.0)
+
+
+def scan_cost(P: int, J: int, HV: int, K: int, V: int, *, kernel: bool = False, N: int = 1) -> tuple:
+    """(microseconds, method) of the cheapest scan: ``"kernel"`` (with `kernel`: the TileLang scan, J - 1 steps in
+    one launch over N sequences), ``"serial"`` (J steps) or ``"log"`` (ceil(log2 J) levels of batched
+    [K, K] x [K, K + V] GEMMs over every partition)."""
+    if kernel:
+        return SCAN_KERNEL_US + max(J - 1, 0) * _kernel_step_us(N, HV, V), "kernel"
     serial = J * SCAN_STEP_US
     levels = max(0, math.ceil(math.log2(J))) if J > 1 else 0
     log = levels * (SCAN_LEVEL_US + 2.0 * P * HV * K * K * (K + V) / (SCAN_TFLOPS * 1e6))
@@ -241,7 +251,7 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
     P, J = bounds(T, N, L, seq_len)
     m = _pass_us([(ch, n * HV * NK) for ch, n in parts.items()], sms)
     e = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
-    scan_us, scan = scan_cost(P, J, HV, K, V)
+    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
     zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
     return dict(serial=serial, cp=m + 2 * e + scan_us + zeros, m=m, e=e, out=e, scan=scan_us, scan_method=scan,
                 zeros=zeros, P=P, J=J)
@@ -263,7 +273,7 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     P, J = bounds(T, N, L, seq_len)
     m = _pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
     e = _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
-    scan_us, scan = scan_cost(P, J, HV, K, V)
+    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
     zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
     states = RECOMPUTE_FACTOR * e
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
@@ -499,15 +509,39 @@ def scan_log(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor
     return torch.where(plan.first[:, None, None, None], start, prev)
 
 
+def _kernel_dims(K: int, V: int) -> bool:
+    """Whether the scan kernel's head dims include (K, V) (K in (64, 128), V a multiple of 16 up to 1024)."""
+    return K in (64, 128) and V % 16 == 0 and V <= 1024
+
+
+def _kernel_scan(x: Tensor, kset) -> bool:
+    """Whether the TileLang scan (`kernels.cp_scan`) runs a scan over `x` ``[P, HV, K, V]`` for a call whose
+    chunk_fwd runs on `kset`: fp32, the SM90 kernel set, head dims it takes. Elsewhere (the portable path, CPU,
+    float64) the torch scans run."""
+    return (x.is_cuda and x.dtype == torch.float32 and kset is not None and kset.name == "sm90"
+            and _kernel_dims(x.shape[2], x.shape[3]))
+
+
+def _part_cu(plan: CPPlan) -> Tensor:
+    """``[N + 1]`` int32: 0, then each sequence's last slot + 1 (the scan kernel's offsets)."""
+    return torch.cat([plan.last_index.new_zeros(1), plan.last_index + 1]).to(torch.int32)
+
+
 def scan_states(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor], method: Optional[str] = None) -> Tensor:
-    """Every partition's start state (K-first), by `method` (``"serial"`` / ``"log"``; None: `scan_cost`'s)."""
+    """Every partition's start state (K-first), by `method` (``"kernel"`` / ``"serial"`` / ``"log"``; None: the
+    cheaper torch scan by `scan_cost`; the CP passes pass ``"kernel"`` where `_kernel_scan` holds). The kernel
+    zero-fills unused slots."""
     if method is None:
         method = scan_cost(plan.P, plan.J, E.shape[1], E.shape[2], E.shape[3])[1]
+    if method == "kernel":
+        from .kernels import cp_scan  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        return cp_scan.scan_fwd(M.contiguous(), E, h0, _part_cu(plan))
     if method == "serial":
         return scan_serial(M, E, plan, h0)
     if method == "log":
         return scan_log(M, E, plan, h0)
-    raise ValueError(f"method: {method!r}, expected 'serial' or 'log'")
+    raise ValueError(f"method: {method!r}, expected 'kernel', 'serial' or 'log'")
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -544,6 +578,7 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     h0 = initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
+    scan = scan or ("kernel" if _kernel_scan(E, backends.kset("chunk_fwd")) else None)
     H = scan_states(M, E, plan, h0, scan)
     o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
     final = ht.index_select(0, plan.last_index)
@@ -603,11 +638,15 @@ def scan_grads(M: Tensor, F: Tensor, plan: CPPlan, dht: Optional[Tensor], method
     dT = _h0(dht, plan.N, HV, K, V, F.dtype, F.device)
     if method is None:
         method = scan_cost(P, plan.J, HV, K, V)[1]
+    if method == "kernel":
+        from .kernels import cp_scan  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        return cp_scan.scan_bwd(M.contiguous(), F.contiguous(), dht, _part_cu(plan))
     if method == "serial":
         return _grads_serial(M, F, plan, dT)
     if method == "log":
         return scan_log(M.flip(0).transpose(-1, -2), F.flip(0), _reversed(plan), dT).flip(0)
-    raise ValueError(f"method: {method!r}, expected 'serial' or 'log'")
+    raise ValueError(f"method: {method!r}, expected 'kernel', 'serial' or 'log'")
 
 
 def _as_param(x: Optional[Tensor], kset) -> Optional[Tensor]:
@@ -646,6 +685,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
                      state_dtype=sd)
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
     h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
+    scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
     H = scan_states(M, E, plan, h0, scan)
     b = _as_param(beta, bks)
     h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
@@ -668,8 +708,9 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first; with `backward`,
     also the backward's state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate, where
     chunk_bwd supports (K, V). At K = V these are the serial passes' default K-first builds (`flashdelta warmup`
-    compiles them); a V-first caller's serial path uses its own V-first builds, CP these."""
-    from .kernels import chunk_bwd, chunk_dstate, fused_fwd  # noqa: PLC0415 - TileLang only where builds are listed
+    compiles them); a V-first caller's serial path uses its own V-first builds, CP these. The scan kernel's builds
+    (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where it takes (K, V)."""
+    from .kernels import chunk_bwd, chunk_dstate, cp_scan, fused_fwd  # noqa: PLC0415 - TileLang only where listed
 
     todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
     if K != V:
@@ -678,4 +719,6 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
+    if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)
+        todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS)
     return [(f"cp {label}", b, args) for label, b, args in todo]

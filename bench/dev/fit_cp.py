@@ -320,7 +320,9 @@ def bwd_main(args):
                 return torch.autograd.grad((o, ht), leaves, (do, dht))
 
             def fb_api(**kw_api):
-                o, ht = chunk_gated_delta_rule(*leaves, cu_seqlens=cu, output_final_state=True, **kw_api)
+                ql, kl, vl, gl, bl, hl = leaves
+                o, ht = chunk_gated_delta_rule(ql, kl, vl, gl, bl, initial_state=hl, cu_seqlens=cu,
+                                               output_final_state=True, **kw_api)
                 return torch.autograd.grad((o, ht), leaves, (do, dht))
 
             steps = {"fb_off": lambda: fb_api(context_parallel=False),

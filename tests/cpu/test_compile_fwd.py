@@ -55,7 +55,7 @@ def test_sm90_kernel_set_stages():
 
 def _forward_and_prepare_bwd_only(monkeypatch):
     """The sm90 set with the forward and prepare_bwd only (whatever backward kernels it has besides)."""
-    partial = sm90.KERNELS._replace(state_recompute=None, chunk_bwd=None, group_sum=None)
+    partial = sm90.KERNELS._replace(state_recompute=None, chunk_bwd=None, chunk_dstate=None, group_sum=None)
     monkeypatch.setitem(dispatch._LOADERS, "sm90", lambda: partial)
 
 
@@ -69,7 +69,7 @@ def test_auto_resolves_each_stage(monkeypatch):
     plan = dispatch.plan(cuda, 128, 128, torch.bfloat16, need_bwd=True)
     native = {s for s, b in plan.backends.items() if b == "sm90"}
     assert native == {"l2norm_fwd", "prepare_fwd", "chunk_fwd", "prepare_bwd"}
-    assert set(plan.fallback) == {"state_recompute", "chunk_bwd", "group_sum"}
+    assert set(plan.fallback) == {"state_recompute", "chunk_bwd", "chunk_dstate", "group_sum"}
     assert plan.fn("prepare_bwd") is prepare_bwd.prepare_bwd and plan.summary(stages.FORWARD) == "sm90"
     assert dispatch.resolve(cuda, 128, 128, torch.bfloat16, need_bwd=True) == ("sm90", "sm90+torch")
     odd = dispatch.plan(cuda, 96, 96, torch.bfloat16, need_bwd=True)
@@ -95,7 +95,7 @@ def test_forced_backend_names_the_missing_stages(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_ARCH, "sm_90a")
     cuda = torch.device("cuda")
     assert set(dispatch.plan(cuda, 128, 128, torch.bfloat16, need_bwd=False).backends.values()) == {"sm90"}
-    with pytest.raises(dispatch.UnsupportedError, match="state_recompute, chunk_bwd, group_sum"):
+    with pytest.raises(dispatch.UnsupportedError, match="state_recompute, chunk_bwd, chunk_dstate, group_sum"):
         dispatch.plan(cuda, 128, 128, torch.bfloat16, need_bwd=True)
     with pytest.raises(dispatch.UnsupportedError, match="K=96"):
         dispatch.plan(cuda, 96, 96, torch.bfloat16, need_bwd=False)

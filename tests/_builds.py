@@ -25,7 +25,8 @@ def _add(out: dict, label: str, builder, args: tuple) -> None:
 
 
 def _stage_builds(forced: bool) -> dict:
-    from flashdelta.kernels import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot, prepare_pipe
+    from flashdelta.kernels import (chunk_bwd, chunk_dstate, fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot,
+                                    prepare_pipe)
 
     out: dict = {}
     for c in cases.FWD_ALL:
@@ -58,6 +59,9 @@ def _stage_builds(forced: bool) -> dict:
             _add(out, f"{c.name}: {label}", b, a)
         for label, b, a in fused_fwd.state_recompute_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, torch.float32,
                                                             (c.h0,), (c.state_v_first,)):
+            _add(out, f"{c.name}: {label}", b, a)
+    for c in cases.DSTATE_CASES:
+        for label, b, a in chunk_dstate.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.K ** -0.5):
             _add(out, f"{c.name}: {label}", b, a)
     for c in cases.PREP_BWD_CASES:
         for label, b, a in prepare_bwd.launcher_builds(c.HV):
@@ -93,23 +97,29 @@ def _e2e_builds() -> dict:
     return out
 
 
-def _decode_builds() -> dict:
-    """The decode kernel's builds of tests/gpu/test_decode.py: its case table and the cases its other tests make
-    (`recorded_builds`: the public function's launches, found on the CPU)."""
+def _gpu_test_module(stem: str):
+    """tests/gpu/<stem>.py imported as a module (its build tables), once."""
     import importlib.util
     import os
     import sys
 
-    from flashdelta.kernels import decode
-
-    name = "gpu_test_decode"
+    name = f"gpu_{stem}"
     mod = sys.modules.get(name)
     if mod is None:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "test_decode.py")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", f"{stem}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod            # (its dataclass looks its module up)
+        sys.modules[name] = mod            # (a dataclass in it looks its module up)
         spec.loader.exec_module(mod)
+    return mod
+
+
+def _decode_builds() -> dict:
+    """The decode kernel's builds of tests/gpu/test_decode.py: its case table and the cases its other tests make
+    (`recorded_builds`: the public function's launches, found on the CPU)."""
+    from flashdelta.kernels import decode
+
+    mod = _gpu_test_module("test_decode")
     Case = mod.DecodeCase
     extra = [Case("chain", B=3, T=4, gate="bias", beta_act=1), Case("graph", seqlens=(1, 0, 2, 1), pad=1),
              Case("big", B=2, H=1, HV=1)]
@@ -140,10 +150,19 @@ def shipped() -> list:
     return list(out.values())
 
 
+def _cp_builds() -> dict:
+    """The builds of the context-parallel GPU tests (tests/gpu/test_cp_gpu.py, test_cp_scan.py: their `builds`)."""
+    out: dict = {}
+    for stem in ("test_cp_gpu", "test_cp_scan"):
+        for label, b, a in _gpu_test_module(stem).builds():
+            _add(out, label, b, a)
+    return out
+
+
 def gpu_tier() -> list:
     """`shipped()` and the builds the GPU tests ask for through launcher arguments."""
     out = _stage_builds(forced=True)
-    for extra in (_e2e_builds(), _decode_builds(), _hf_builds()):
+    for extra in (_e2e_builds(), _decode_builds(), _hf_builds(), _cp_builds()):
         for key, value in extra.items():
             out.setdefault(key, value)
     return list(out.values())

@@ -5,8 +5,9 @@
 autograd, the same way for every provider (`backward_fn`).
 
 Providers:
-- ``flashdelta``: ``flashdelta.chunk_gated_delta_rule``, with ``FLASHDELTA_BACKEND=sm90`` so that a missing
-  Hopper kernel raises instead of silently timing the portable PyTorch path.
+- ``flashdelta``: ``flashdelta.chunk_gated_delta_rule`` (given ``cu_seqlens_cpu``, as FLA is: its automatic
+  context parallelism plans from it), with ``FLASHDELTA_BACKEND=sm90`` so that a missing Hopper kernel raises
+  instead of silently timing the portable PyTorch path.
 - ``fla``: FLA 0.6.0 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` on its own Triton kernels:
   ``FLA_FLASH_QLA=0`` is set before FLA is imported (otherwise FLA dispatches to FlashQLA when it is
   installed), ``FLA_INTRACARD_CP=0`` (the default, stated). `chunk_indices` and ``cu_seqlens_cpu`` are
@@ -156,10 +157,18 @@ class FlashDelta(Provider):
 
     def forward(self, inp: Inputs):
         return self.fn(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=inp.scale, initial_state=inp.h0,
-                       output_final_state=True, cu_seqlens=inp.cu)
+                       output_final_state=True, cu_seqlens=inp.cu, cu_seqlens_cpu=inp.cu_host)
 
     def cp_partitions(self, inp: Inputs, train: bool) -> Optional[int]:
-        return 1  # flashdelta has no context parallelism yet: every sequence runs whole
+        """The most partitions of one sequence that flashdelta's automatic context parallelism cuts (1: serial),
+        by the same cost model the call consults (`flashdelta.cp`), for the forward or, with `train`, the
+        backward."""
+        from flashdelta import cp
+
+        T, HV, K, V = inp.q.shape[1], inp.v.shape[2], inp.k.shape[3], inp.v.shape[3]
+        kw = dict(T=T, N=len(inp.seqlens), HV=HV, K=K, V=V, sms=cp.num_sms(inp.q.device), lengths=list(inp.seqlens))
+        L = cp.choose_bwd(**kw) if train else cp.choose(**kw)
+        return max(1, -(-max(inp.seqlens, default=0) // (64 * L))) if L else 1
 
 
 class _LogWatch(logging.Handler):

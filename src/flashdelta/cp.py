@@ -63,13 +63,12 @@ CP_ON = -2                      # CP with each cost model's best L, from shapes 
 _BWD = 1 << 24                  # code = L_fwd + _BWD * L_bwd; partition lengths stay below it
 
 # ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
-# them. Starting values from docs/dev/fused_fwd.md: the fused forward takes `items x (chunks x c + o)` on the
-# busiest SM, c = 1.670 us per chunk at full occupancy (power-capped clock), ~1.39 us with 16 CTAs (2/8 1x32768:
-# 0.712 ms for 512 chunks, prepare included), o = 4.9 us per CTA, ~9 us fixed per launch.
-CHUNK_US_FULL = 1.67            # per chunk and CTA, every SM busy
-CHUNK_US_IDLE = 1.39            # per chunk and CTA, few CTAs (higher clock)
-ITEM_US = 4.9                   # per CTA: start, pipeline fill, drain
-LAUNCH_US = 9.0                 # per fused launch, fixed
+# them. The fused forward takes `items x (chunks x c + o)` on the busiest SM; the values are bench/dev/fit_cp.py's
+# least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128).
+CHUNK_US_FULL = 1.45            # per chunk and CTA, every SM busy
+CHUNK_US_IDLE = 1.29            # per chunk and CTA, few CTAs (higher clock)
+ITEM_US = 5.2                   # per CTA: start, pipeline fill, drain
+LAUNCH_US = 5.2                 # per fused launch, fixed
 SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
 SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
 SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
@@ -77,19 +76,21 @@ SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 3
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
 HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
-MIN_SEQ_CHUNKS = 32             # auto: no split of a batch whose longest sequence has fewer chunks (2048 tokens)
+# auto: no split of a forward whose longest sequence has fewer chunks; at 2/8 1x8192 (128 chunks) the model's L = 16
+# measured 2.5% slower than serial on the H200 (fixed costs of the three passes), at 2/8 1x32768 L = 64 1.66x faster
+MIN_SEQ_CHUNKS = 256
 CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the model tries
 
 # ---- backward (`predict_bwd`). chunk_bwd runs one CTA per (sequence or partition, value head) with all of V and
-# 222.7 KB of shared memory (one CTA per SM), latency-bound: ~22 us per chunk at any occupancy (docs/dev/chunk_bwd.md:
-# 2.9 ms for 32 CTAs of 128 chunks at 16/32 1x8192). state_recompute is the fused forward with its state output on:
-# 0.262 ms at 16/32 1x8192, 1.25x what `_pass_us` gives the plain forward there (the fp32 state stores).
-BWD_CHUNK_US = 22.0             # chunk_bwd per chunk and CTA, any occupancy
-BWD_ITEM_US = 8.0               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store (a guess)
-BWD_LAUNCH_US = 9.0             # chunk_bwd per launch, fixed
+# ~220 KB of shared memory (one CTA per SM), latency-bound: the same time per chunk at any occupancy
+# (docs/dev/chunk_bwd.md). state_recompute is the fused forward with its state output on. The values are
+# bench/dev/fit_cp.py --bwd's fit on the H200 (16/32 and 2/8 at 1x8192, partition lengths 4-64).
+BWD_CHUNK_US = 18.3             # chunk_bwd per chunk and CTA, any occupancy
+BWD_ITEM_US = 7.9               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store
+BWD_LAUNCH_US = 8.3             # chunk_bwd per launch, fixed
 BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
-RECOMPUTE_FACTOR = 1.25         # state_recompute's time over the forward pass model's
-START_GRAD_FACTOR = 0.35        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states (a prediction)
+RECOMPUTE_FACTOR = 1.36         # state_recompute's time over the forward pass model's
+START_GRAD_FACTOR = 0.26        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states
 BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
 MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
 # the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave

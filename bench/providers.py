@@ -19,6 +19,11 @@ Providers:
   switch and TileLang reads no environment variable for it, so `FlashQLA.load` adds the key to the
   ``pass_configs`` of every ``@tilelang.jit`` kernel object in the ``flash_qla`` modules before anything
   compiles (TileLang reads ``JITImpl.pass_configs`` at compile time).
+- ``flashinfer``: FlashInfer's SM90 GDN prefill, ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` when the
+  ``flashinfer`` package imports, else ``fi_gdn_sm90`` (the same SM90 kernels compiled ahead of time, with the
+  same call). Its conventions differ from the others'; `FlashInfer.prepare` converts the inputs once per input
+  set, outside every timed region (`FlashInfer` says which). Forward only: it has no SM90 backward, so
+  `supports` turns the bwd and fwdbwd suites away.
 """
 from __future__ import annotations
 
@@ -143,6 +148,10 @@ class Provider:
         """After a call: an error message if the call did not run what this provider claims to time."""
         return None
 
+    def supports(self, suite: str) -> Optional[str]:
+        """None if this provider runs `suite`; else why not (its rows are then ``unsupported``)."""
+        return None
+
 
 class FlashDelta(Provider):
     name = "flashdelta"
@@ -244,6 +253,128 @@ class FlashQLA(Provider):
         return max(b - a for a, b in zip(r2c[:-1], r2c[1:]))
 
 
+class FlashInfer(Provider):
+    """FlashInfer's SM90 GDN chunked prefill (forward only).
+
+    Where its conventions differ from the benchmark's, `prepare` converts once per input set, outside timing,
+    into ``inp.extras["flashinfer"]``:
+
+    - q, k, v packed varlen ``[T, H*, 128]`` (no batch dim): views of the bench's ``[1, T, H*, 128]``;
+    - ``g`` is the per-token decay factor ``exp(g)``, not its log: fp32 ``[T, HV]``;
+    - beta fp32 ``[T, HV]``;
+    - states V-first, ``[N, HV, V, K]``: h0 is transposed (and made contiguous) once; the final state comes
+      back V-first and `forward` returns its transposed view ``[N, HV, K, V]`` (a view: no kernel, no copy);
+    - ``cu_seqlens`` int32 on the GPU (the bench's), plus ``max_seqlen`` = the longest sequence, FlashInfer's
+      host-side hint that bounds its CP launch grids without reading ``cu_seqlens`` back;
+    - q and k are already l2-normalised, so they go in as given: ``use_qk_l2norm_in_kernel=False`` for the
+      package (the ahead-of-time build has no such switch and never normalises);
+    - scale K^-0.5 as for the others; ``use_cp="auto"``: FlashInfer picks its own CP path.
+
+    The output ``[T, HV, V]`` comes back as the view ``[1, T, HV, V]``.
+    """
+    name = "flashinfer"
+    dist = "flashinfer-python"
+    module = "flashinfer"
+    AOT_MODULE = "fi_gdn_sm90"
+    NO_BACKWARD = "FlashInfer has no SM90 backward (its GDN prefill is forward only)"
+
+    def _load(self) -> None:
+        try:
+            from flashinfer.gdn_prefill import chunk_gated_delta_rule
+            from flashinfer.gdn_kernels.delta_rule_dsl import varlen_helper
+        except Exception as exc:  # noqa: BLE001 - not installed, or installed but not importable here
+            why = ("not installed" if isinstance(exc, ModuleNotFoundError) and exc.name == "flashinfer"
+                   else " ".join(f"{type(exc).__name__}: {exc}".split())[:200])
+            try:
+                aot = importlib.import_module(self.AOT_MODULE)
+                aot.load()                   # the kernel library: a failure makes the provider unavailable
+            except Exception as aot_exc:  # noqa: BLE001
+                raise RuntimeError(f"package flashinfer {why}; {self.AOT_MODULE}: "
+                                   f"{type(aot_exc).__name__}: {aot_exc}") from aot_exc
+            self.fn, self._cp_host, self._kwargs = aot.chunk_gated_delta_rule, aot, {}
+            self.source = self.AOT_MODULE
+            self._version = f"{_aot_flashinfer_version(aot)} ({self.AOT_MODULE} ahead-of-time build)"
+            self.notes.append(f"{self.AOT_MODULE}.chunk_gated_delta_rule (package flashinfer {why}); "
+                              f"kernel library {os.path.basename(str(aot._lib.get('path') or '?'))}")
+        else:
+            self.fn, self._cp_host = chunk_gated_delta_rule, varlen_helper
+            self._kwargs = {"use_qk_l2norm_in_kernel": False}
+            self.source = "flashinfer"
+            self._version = dist_version(self.dist, self.module)
+            self.notes.append("flashinfer.gdn_prefill.chunk_gated_delta_rule")
+        self.notes.append("converted outside timing: g -> exp(g), beta fp32, h0 [N,HV,V,K], packed [T,H,D], "
+                          "max_seqlen hint; q/k as given (l2-normalised); use_cp=auto; forward only")
+
+    def version(self) -> str:
+        return getattr(self, "_version", "") or dist_version(self.dist, self.module)
+
+    def supports(self, suite: str) -> Optional[str]:
+        return None if suite == "fwd" else self.NO_BACKWARD
+
+    def prepare(self, inp: Inputs) -> None:
+        import torch
+
+        if inp.q.dim() != 4 or inp.q.shape[0] != 1:
+            raise ValueError(f"q: FlashInfer takes packed varlen input, B must be 1; got shape {tuple(inp.q.shape)}")
+        N, HV = len(inp.seqlens), inp.v.shape[2]
+        K, V = inp.k.shape[3], inp.v.shape[3]
+        with torch.no_grad():
+            h0 = (inp.h0.detach().transpose(-1, -2) if inp.h0 is not None else
+                  torch.zeros(N, HV, V, K, device=inp.q.device))   # its AOT build always takes an initial state
+            inp.extras["flashinfer"] = dict(
+                q=inp.q.detach()[0].contiguous(), k=inp.k.detach()[0].contiguous(),
+                v=inp.v.detach()[0].contiguous(),
+                g=inp.g.detach()[0].float().exp().contiguous(),
+                beta=inp.beta.detach()[0].float().contiguous(),
+                h0=h0.float().contiguous(),
+                cu=inp.cu, max_seqlen=max(inp.seqlens, default=0))
+
+    def forward(self, inp: Inputs):
+        fi = inp.extras.get("flashinfer")
+        if fi is None:
+            raise RuntimeError("FlashInfer.forward: prepare(inp) was not called (the conversion stays outside "
+                               "the timed region)")
+        o, ht = self.fn(fi["q"], fi["k"], fi["v"], g=fi["g"], beta=fi["beta"], scale=inp.scale,
+                        initial_state=fi["h0"], output_final_state=True, cu_seqlens=fi["cu"],
+                        max_seqlen=fi["max_seqlen"], **self._kwargs)
+        return o.unsqueeze(0), ht.transpose(-1, -2)
+
+    def device_info(self, device) -> dict:
+        """What FlashInfer's CP heuristics read about the device: SM count, name, compute capability."""
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        return {"sm_count": props.multi_processor_count, "name": props.name, "cc": (props.major, props.minor)}
+
+    def cp_partitions(self, inp: Inputs, train: bool) -> Optional[int]:
+        """The most pieces FlashInfer's CP path cuts one sequence into (1: its non-CP kernel), from FlashInfer's
+        own host heuristics (``should_use_cp_host``, ``choose_cp_chunk_len_host``) with the arguments its
+        call passes them."""
+        if train:
+            return None
+        info = self.device_info(inp.q.device)
+        N, T = len(inp.seqlens), sum(inp.seqlens)
+        heads = max(inp.q.shape[2], inp.v.shape[2])
+        h = self._cp_host
+        if not h.should_use_cp_host(N * heads, info["sm_count"], info["name"], device_capability=info["cc"]):
+            return 1
+        longest = max(inp.seqlens, default=0)
+        chunk = h.choose_cp_chunk_len_host(longest, heads, info["sm_count"], device_capability=info["cc"],
+                                           total_seqlen=T, num_seqs=N, device_name=info["name"])
+        return max(1, -(-longest // chunk))
+
+
+def _aot_flashinfer_version(mod) -> str:
+    """The FlashInfer version the ahead-of-time build was made from (its manifest.json), else ''."""
+    import json
+
+    try:
+        with open(os.path.join(os.path.dirname(mod.__file__), "manifest.json")) as f:
+            return str(json.load(f).get("flashinfer", ""))
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def disable_buffer_init_check(package: str) -> Optional[int]:
     """Add ``tl.disable_buffer_init_check = True`` to every TileLang JIT kernel object defined in `package`.
 
@@ -284,7 +415,7 @@ def dist_version(dist: Optional[str], module: Optional[str] = None) -> str:
     return ""
 
 
-REGISTRY = {"flashdelta": FlashDelta, "fla": FLA, "flashqla": FlashQLA}
+REGISTRY = {"flashdelta": FlashDelta, "fla": FLA, "flashqla": FlashQLA, "flashinfer": FlashInfer}
 
 
 def get(names) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark flashdelta against its peers: correctness gate, then CUDA-graph timing, CSV, table, chart.
 
-    python bench/run.py --suite fwd|bwd|fwdbwd[,...] [--quick] [--providers flashdelta,fla,flashqla]
+    python bench/run.py --suite fwd|bwd|fwdbwd[,...] [--quick] [--providers flashdelta,fla,flashqla,flashinfer]
                         [--filter REGEX] [--out bench/results/<gpu>/<date>_<commit>.csv]
     python bench/run.py --suite fwd --dry-run      # list the cases and their roofline floors (no GPU)
     python bench/run.py --suite fwd --quick --fake # exercise CSV, table and chart with fake timings (no GPU)
@@ -41,7 +41,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="fwd", help="fwd, bwd, fwdbwd, or a comma-separated list")
     ap.add_argument("--quick", action="store_true", help="the small smoke subset of each suite")
-    ap.add_argument("--providers", default="flashdelta,fla,flashqla")
+    ap.add_argument("--providers", default="flashdelta,fla,flashqla",
+                    help="comma list from providers.REGISTRY: flashdelta, fla, flashqla, flashinfer")
     ap.add_argument("--filter", default=None, help="regex searched in case names, e.g. 'h16v64/1x32768'")
     ap.add_argument("--out", default=None, help="CSV path (default bench/results/<gpu>/<date>_<commit>.csv)")
     ap.add_argument("--subject", default="flashdelta", help="provider the speedups are computed for")
@@ -208,16 +209,21 @@ def dry_run(cases: list, args) -> None:
               + (f"  split_seed={c.split_seed}" if c.split_seed is not None else ""))
 
 
-FAKE_FACTORS = {"fla": 4.0, "flashqla": 2.0, "flashdelta": 1.6}
+FAKE_FACTORS = {"fla": 4.0, "flashqla": 2.0, "flashinfer": 1.4, "flashdelta": 1.6}
 
 
-def fake_rows(cases: list, args) -> list:
-    """Synthetic rows (provider time = floor x a per-provider factor x noise) to exercise the writers."""
+def fake_rows(cases: list, args, provs: dict = None) -> list:
+    """Synthetic rows (provider time = floor x a per-provider factor x noise) to exercise the writers; a provider
+    that does not run a suite gets its ``unsupported`` row, as in a real run."""
     rng = random.Random(args.seed)
     rows = []
     for case in cases:
         rf = case_roofline(case, args)
         for p in args.provider_names:
+            why = provs[p].supports(case.suite) if provs and p in provs else None
+            if why:
+                rows.append(dict(base_row(case, args), provider=p, status="unsupported", note=why))
+                continue
             ms = rf.floor_ms * FAKE_FACTORS.get(p, 3.0) * rng.uniform(0.8, 1.25)
             rows.append(dict(base_row(case, args), provider=p, status="ok", ms=ms, p20=ms * 0.98, p80=ms * 1.03,
                              reps=50, cp=1, peak_mb=rng.uniform(100, 900), tflops=rf.tflops(ms), tbps=rf.tbps(ms), floor_ms=rf.floor_ms,
@@ -311,6 +317,8 @@ def run_case(case, provs: dict, args, stream, flush) -> list:
         err = prov.load()
         if err:
             fail(p, "unavailable", err)
+        elif prov.supports(case.suite):
+            fail(p, "unsupported", prov.supports(case.suite))
         else:
             active.append(p)
 
@@ -441,7 +449,7 @@ def main(argv=None) -> int:
 
     rc = 0
     if args.fake:
-        for row in fake_rows(cases, args):
+        for row in fake_rows(cases, args, provs):
             emit(row)
     else:
         import torch

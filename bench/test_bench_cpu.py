@@ -218,3 +218,143 @@ def test_ncu_sites_splits_roles_at_setmaxnreg(tmp_path):
     sites = out.split("top mbarrier wait sites")[1].splitlines()[1:]
     assert "0x00050 consumer 240 regs      samples     31" in sites[0]     # 30 + 1 on its branch
     assert "0x00020 producer 40 regs       samples      7" in sites[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the flashinfer provider, against a pure-PyTorch stand-in of FlashInfer's calling convention
+# ----------------------------------------------------------------------------------------------------------
+
+def _flashinfer_standin(tmp_path, calls: list):
+    """A module shaped like the ahead-of-time FlashInfer build: ``chunk_gated_delta_rule`` checks FlashInfer's
+    contract (packed [T, H*, D] inputs, fp32 decay factor and beta [T, HV], fp32 V-first contiguous states,
+    int cu_seqlens, a max_seqlen hint) and runs the recurrence in that convention in float64; the two CP host
+    heuristics record their arguments."""
+    import types
+
+    import torch
+
+    def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                               output_final_state=False, cu_seqlens=None, max_seqlen=None):
+        T, H, K = q.shape
+        HV, V = v.shape[1], v.shape[2]
+        N = cu_seqlens.numel() - 1
+        assert k.shape == (T, H, K) and v.shape[0] == T and HV % H == 0
+        assert g.dtype == beta.dtype == initial_state.dtype == torch.float32
+        assert g.shape == beta.shape == (T, HV) and initial_state.shape == (N, HV, V, K)
+        assert all(t.is_contiguous() for t in (q, k, v, g, beta, initial_state))
+        assert cu_seqlens.dtype in (torch.int32, torch.int64) and isinstance(max_seqlen, int)
+        calls.append(dict(max_seqlen=max_seqlen, scale=scale))
+        rep = HV // H
+        qf = q.double().repeat_interleave(rep, dim=1) * scale
+        kf = k.double().repeat_interleave(rep, dim=1)
+        vf, a, b = v.double(), g.double(), beta.double()
+        o = torch.zeros(T, HV, V, dtype=torch.float64)
+        states = initial_state.double().clone()             # S[n, h] is V x K
+        cu = cu_seqlens.tolist()
+        for n in range(N):
+            S = states[n]
+            for t in range(cu[n], cu[n + 1]):
+                S = S * a[t][:, None, None]                                   # decay factor, not its log
+                u = b[t][:, None] * (vf[t] - torch.einsum("hvk,hk->hv", S, kf[t]))
+                S = S + u[:, :, None] * kf[t][:, None, :]
+                o[t] = torch.einsum("hvk,hk->hv", S, qf[t])
+            states[n] = S
+        o = o.to(q.dtype)
+        return (o, states.float()) if output_final_state else o
+
+    def should_use_cp_host(work, sms, name, device_capability=None):
+        calls.append(dict(cp=(work, sms, name, device_capability)))
+        return 2 * work < sms
+
+    def choose_cp_chunk_len_host(longest, heads, sms, **kw):
+        calls.append(dict(chunk=(longest, heads, sms), **kw))
+        return 4096
+
+    mod = types.ModuleType("fi_gdn_sm90")
+    mod.__file__ = str(tmp_path / "__init__.py")
+    (tmp_path / "manifest.json").write_text('{"flashinfer": "0.7.2.post1"}')
+    mod.chunk_gated_delta_rule, mod.load, mod._lib = chunk_gated_delta_rule, (lambda: None), {"path": "x/gdn.so"}
+    mod.should_use_cp_host, mod.choose_cp_chunk_len_host = should_use_cp_host, choose_cp_chunk_len_host
+    return mod
+
+
+@pytest.fixture
+def flashinfer_standin(tmp_path, monkeypatch):
+    import providers as P
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "flashinfer", None)          # the package path is not taken
+    monkeypatch.setitem(sys.modules, "fi_gdn_sm90", _flashinfer_standin(tmp_path, calls))
+    prov = P.FlashInfer()
+    assert prov.load() is None, prov.load()
+    return prov, calls
+
+
+def test_flashinfer_conversion_passes_the_gate(flashinfer_standin):
+    """prepare's converted inputs through FlashInfer's convention give the float64 reference's o and final
+    state; the wrong conversions (log gate, K-first h0) fail the same gate."""
+    import torch
+
+    import providers as P
+
+    prov, calls = flashinfer_standin
+    assert prov.source == "fi_gdn_sm90" and prov.version().startswith("0.7.2.post1")
+    assert "gdn.so" in prov.notes[0]
+    inp = P.make_inputs((40, 70), 2, 4, 32, 32, seed=5, device="cpu", beta_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="prepare"):
+        prov.forward(inp)
+    prov.prepare(inp)
+    fi = inp.extras["flashinfer"]
+    assert torch.equal(fi["g"], inp.g[0].exp()) and fi["g"].dtype == torch.float32
+    assert fi["beta"].dtype == torch.float32 and torch.equal(fi["beta"], inp.beta[0].float())
+    assert fi["h0"].shape == (2, 4, 32, 32) and fi["h0"].is_contiguous()
+    assert torch.equal(fi["h0"].transpose(-1, -2), inp.h0)
+    assert fi["q"].shape == (110, 2, 32) and fi["cu"] is inp.cu and fi["max_seqlen"] == 70
+    ref = gate.reference(inp, grads=False)
+    outs = gate.results(prov, inp, grads=False)
+    assert outs["o"].shape == ref["o"].shape and outs["ht"].shape == ref["ht"].shape
+    worst, detail, ok = gate.compare(outs, ref, gate.FWD_NAMES)
+    assert ok and worst < 1e-2, detail
+    assert calls[-1] == dict(max_seqlen=70, scale=inp.scale)
+    for key, wrong in (("g", inp.g[0].contiguous()), ("h0", inp.h0.contiguous())):
+        inp.extras["flashinfer"] = dict(fi, **{key: wrong})
+        assert not gate.compare(gate.results(prov, inp, grads=False), ref, gate.FWD_NAMES)[2], key
+
+
+def test_flashinfer_is_forward_only_and_reports_its_cp(flashinfer_standin, monkeypatch):
+    import torch
+
+    import providers as P
+
+    prov, calls = flashinfer_standin
+    assert prov.supports("fwd") is None
+    assert prov.supports("bwd") == prov.supports("fwdbwd") == P.FlashInfer.NO_BACKWARD
+    assert all(P.REGISTRY[n]().supports(s) is None for n in ("flashdelta", "fla", "flashqla") for s in shapes.SUITES)
+    monkeypatch.setattr(prov, "device_info", lambda device: {"sm_count": 132, "name": "H200", "cc": (9, 0)})
+
+    def inp(h, hv, seqlens):
+        x = torch.empty(1, 1, h, 1)
+        return P.Inputs(x, x, torch.empty(1, 1, hv, 1), None, None, None, None, None, tuple(seqlens), 1.0)
+
+    calls.clear()
+    assert prov.cp_partitions(inp(16, 64, (32768,)), train=False) == 8          # 2 * 64 < 132: 32768 / 4096
+    assert calls == [dict(cp=(64, 132, "H200", (9, 0))),
+                     dict(chunk=(32768, 64, 132), device_capability=(9, 0), total_seqlen=32768, num_seqs=1,
+                          device_name="H200")]
+    assert prov.cp_partitions(inp(16, 64, (8192,) * 4), train=False) == 1     # 2 * 256 >= 132: no CP
+    assert prov.cp_partitions(inp(2, 8, (4096,) * 8), train=False) == 1       # CP, but 4096 fits one piece
+    assert prov.cp_partitions(inp(16, 64, (32768,)), train=True) is None
+
+
+def test_fake_run_with_four_providers(tmp_path, capsys):
+    import run
+
+    out = tmp_path / "r.csv"
+    assert run.main(["--suite", "fwd,bwd", "--quick", "--fake", "--no-chart", "--out", str(out),
+                     "--providers", "flashdelta,fla,flashqla,flashinfer"]) == 0
+    _, rows = report.read_csv(str(out))
+    assert len(rows) == 4 * 4
+    fi = {r["suite"]: r for r in rows if r["provider"] == "flashinfer"}
+    assert fi["fwd"]["status"] == "ok" and fi["fwd"]["ms"]
+    assert fi["bwd"]["status"] == "unsupported" and "no SM90 backward" in fi["bwd"]["note"] and not fi["bwd"]["ms"]
+    assert "flashdelta/flashinfer" in capsys.readouterr().out

@@ -5,6 +5,8 @@
 #   ... MAX_S=450 bash bench/dev/grid.sh all  # all 8 in one call (~330 s on an H200 with 16 cores; MAX_S caps it)
 #   ... SUITE=bwd HEADS="h16v32 h16v64" ROWS="(1x8192|8192x4)$" bash bench/dev/grid.sh some
 #       (another suite, chosen head configs, and rows whose seqlens match the regex ROWS)
+#   ... PROVIDERS=flashdelta,fla,flashqla,flashinfer MAX_S=570 bash bench/dev/grid.sh all
+#       (the providers, run.py's --providers; default flashdelta,fla,flashqla)
 # (The device copy has no .git: expand FLASHDELTA_COMMIT=$(git rev-parse --short HEAD) on this side.)
 # Phase 1 compiles every provider's kernels for this half's head configs in parallel processes (one per head
 # config, timings discarded: one rep, no gate), so the JIT work (FlashQLA's TileLang kernels take ~80 s per head
@@ -19,6 +21,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export FLASHDELTA_COMMIT=${FLASHDELTA_COMMIT:-unknown}
 SUITE=${SUITE:-fwd}
 ROWS=${ROWS:-}
+PROVIDERS=${PROVIDERS:-flashdelta,fla,flashqla}
 case "$HALF" in
   1) HEADS=${HEADS:-"h2v8 h4v16 h8v32 h16v64"} ;;
   2) HEADS=${HEADS:-"h16v32 h8v24 h16v48 h16v16"} ;;
@@ -26,13 +29,13 @@ case "$HALF" in
 esac
 t0=$(date +%s)
 for h in $HEADS; do
-  timeout 240 python3 bench/run.py --suite "$SUITE" --filter "$h/$ROWS" --no-gate --budget-ms 1 --min-reps 1 --max-reps 1 \
+  timeout 240 python3 bench/run.py --suite "$SUITE" --filter "$h/$ROWS" --providers "$PROVIDERS" --no-gate --budget-ms 1 --min-reps 1 --max-reps 1 \
     --rounds 1 --warmup 1 --flush-mb 0 --no-chart --out "/tmp/grid_warm_$h.csv" > "/tmp/grid_warm_$h.log" 2>&1 &
 done
 wait
 echo "phase 1 (parallel compile) done at $(( $(date +%s) - t0 )) s"
 FILTER="^$SUITE/($(echo $HEADS | tr ' ' '|'))/$ROWS"
-timeout $(( MAX_S - ($(date +%s) - t0) )) python3 bench/run.py --suite "$SUITE" --filter "$FILTER" \
+timeout $(( MAX_S - ($(date +%s) - t0) )) python3 bench/run.py --suite "$SUITE" --filter "$FILTER" --providers "$PROVIDERS" \
   --out "$OUT/${SUITE}_grid_$HALF.csv" > "$OUT/${SUITE}_grid_$HALF.log" 2>&1
 echo "phase 2 (timing) done at $(( $(date +%s) - t0 )) s"
 grep -v "TileLang.*INFO" "$OUT/${SUITE}_grid_$HALF.log" | grep -A 110 "^case" | head -n 110

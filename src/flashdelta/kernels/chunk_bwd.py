@@ -73,6 +73,16 @@ TABLE = timeline.Table(
     ctas=8, steps=32)
 
 
+@T.macro
+def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
+    """Chunk c's G and beta of row tx (tx < BT) into the registers gl (rows past the end: G[len - 1] and beta = 0):
+    the loads complete while the thread goes on, and the caller stores them where the next chunk reads them."""
+    t0 = bos + c * BT
+    if tx < BT:
+        gl[0] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
+        gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], "float32"), 0.0)
+
+
 @_tl.jit(table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
           state_v_first: bool):
@@ -123,15 +133,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         if tx < 32:
             T.tma_copy(h[slot, i_hv, 0:V, 0:K], h_s, barrier=bar_h[0])
             T.barrier_arrive(bar_h[0])
-
-    @T.macro
-    def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
-        # chunk c's G and beta of row tx into registers (rows past the end: G[len - 1] and beta = 0); the loads
-        # complete while the thread goes on, `store_gates` puts them in the next-chunk buffers
-        t0 = bos + c * BT
-        if tx < BT:
-            gl[0] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
-            gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
 
     @T.macro
     def store_gates(tx, gl, gn_s, bn_s):

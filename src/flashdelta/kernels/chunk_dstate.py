@@ -24,7 +24,7 @@ import tilelang.language as T
 import torch
 
 from . import _tl
-from .chunk_bwd import BT, DTYPES, HEAD_DIMS, LOG2E
+from .chunk_bwd import BT, DTYPES, HEAD_DIMS, LOG2E, fetch_gates
 
 THREADS = 256
 NS = 2          # ring slots of q, k, dO, A
@@ -49,14 +49,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s[st, :, :], barrier=full[st])
             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
             T.barrier_arrive(full[st])
-
-    @T.macro
-    def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
-        # chunk c's G and beta of row tx into registers (rows past the end: G[len - 1] and beta = 0)
-        t0 = bos + c * BT
-        if tx < BT:
-            gl[0] = g[0, T.cast(T.min(t0 + tx, eos - 1), "int64"), i_hv]
-            gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], acc), 0.0)
 
     @T.prim_func
     def chunk_dstate_kernel(

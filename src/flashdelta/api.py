@@ -270,8 +270,9 @@ def chunk_gated_delta_rule(
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
     if cp_context is not None:
-        raise UnsupportedError("cp_context: context parallelism across GPUs (FLA's FLACPContext) is not supported "
-                               "by flashdelta yet; pass cp_context=None (one GPU per sequence batch)")
+        raise UnsupportedError("cp_context: context parallelism across GPUs (FLA's FLACPContext) runs through "
+                               "flashdelta.distributed.chunk_gated_delta_rule_cp(q, k, v, g, beta, cp_context=...) "
+                               "(or cp_slice=build_cp_slice(...)), not here; docs/dev/cp_dist.md")
     if isinstance(chunk_size, bool) or chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
     chunk_size = int(chunk_size)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -238,8 +238,9 @@ def chunk_gated_delta_rule(
             at ``chunk_size``, on cu_seqlens' device. Not needed: flashdelta derives its chunking on the device. When
             given, it is checked against cu_seqlens (its row count from cu_seqlens' host values; its values with one
             read of it, cached like cu_seqlens'), so a stale one raises ValueError instead of passing silently.
-        cp_context: FLA's context-parallel context (``FLACPContext``). Not supported: anything but None raises
-            `UnsupportedError` (context parallelism across GPUs is not implemented yet).
+        cp_context: FLA's context-parallel context (``FLACPContext``). Not taken here (this function's
+            cu_seqlens and state rows are one process's): anything but None raises `UnsupportedError`; context
+            parallelism across GPUs is `flashdelta.distributed.chunk_gated_delta_rule_cp(..., cp_context=)`.
         use_gate_in_kernel: g is the raw gate; the operator uses ``g = -exp(A_log) * softplus(g + dt_bias)``,
             computed in fp32 before the kernels (`flashdelta.gates.gdn_gate`); gradients flow to the raw g,
             A_log and dt_bias.

@@ -9,8 +9,7 @@ graph of forward + backward with CP replayed with new lengths.
 Builds: `builds()` lists every kernel these tests launch (CP's own, `cp.builds`, and the serial passes they are
 compared with, `flashdelta.precompile.variants`); compile them on the CPU machine with
 
-    TILELANG_CACHE_DIR=.cache/tl-ship python3 -c "import sys; sys.path[:0] = ['tests', 'tests/gpu']; \
-        import test_cp_gpu; test_cp_gpu.precompile()"
+    TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/precompile.py --tests      # the GPU tier (tests/_builds.py)
 """
 import pytest
 import torch
@@ -40,15 +39,6 @@ def builds() -> list:
         for label, b, a in _variants(case, backward):
             out.setdefault((b.__name__, a), (f"{case.name}: {label}", b, a))
     return list(out.values())
-
-
-def precompile() -> None:
-    import time
-
-    for label, b, a in builds():
-        t0 = time.time()
-        b(*a)
-        print(f"{label}: {time.time() - t0:.1f} s", flush=True)
 
 
 CASES = [

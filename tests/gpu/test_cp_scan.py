@@ -9,8 +9,7 @@ values. An fp32 scan agrees with it to rounding: relative L2 error <= 1e-5. Unus
 
 Builds: `builds()`; compile them on the CPU machine with
 
-    TILELANG_CACHE_DIR=.cache/tl-ship python3 -c "import sys; sys.path[:0] = ['tests', 'tests/gpu']; \
-        import test_cp_scan; test_cp_scan.precompile()"
+    TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/precompile.py --tests      # the GPU tier (tests/_builds.py)
 """
 import dataclasses
 
@@ -153,12 +152,3 @@ def builds() -> list:
                                      store_final=case.final)
             out.setdefault(a, (f"{case.name}: cp_scan reverse={reverse}", cp_scan.build, a))
     return list(out.values())
-
-
-def precompile() -> None:
-    import time
-
-    for label, b, a in builds():
-        t0 = time.time()
-        b(*a)
-        print(f"{label}: {time.time() - t0:.1f} s", flush=True)

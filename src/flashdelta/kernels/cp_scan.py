@@ -14,7 +14,8 @@ All states are K-first ``[.., K, V]`` fp32; ``M [P, HV, K, K]`` acts on the K in
 plain fp32 FMAs, not tensor cores: the contract is an fp32 scan (`flashdelta.cp.scan_serial` in fp32 is the portable
 twin), and tf32 operands (10-bit mantissa) would put a ~1e-3 relative error into every start state, compounding over
 the partitions, where the bf16 forward's own error budget is spent elsewhere; at these sizes the FMAs cost ~1 us per
-step, so nothing is gained by rounding.
+step, so nothing is gained by rounding. The build uses the project's fast-math pass config, so the FMAs are
+``fma.rn.ftz``: fp32 denormals (below 1.2e-38) flush to zero, far below any state value that matters.
 
 One CTA (128 threads, one warp per SM sub-partition) per (sequence, value head, V tile of `BV` columns), walking the
 sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two buffers: step j reads one

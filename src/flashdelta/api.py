@@ -102,9 +102,8 @@ def _check_cu_values(host: Tensor, T: int, name: str) -> None:
         raise ValueError(f"{name}[-1]={host[-1].item()} exceeds the token count T={T} of q")
 
 
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.device) -> Optional[Tensor]:
-    """Validate cu_seqlens (and its host copy); returns its values on the host (from cu_seqlens_cpu, the cache, or one
-    device-to-host copy), or None where they cannot be read (inside torch.compile or a CUDA-graph capture)."""
+def _check_cu_structure(cu_seqlens, B: int, device: torch.device) -> Tensor:
+    """cu_seqlens' type, dtype, shape and device, without reading its values (no device-to-host copy)."""
     cu = _tensor("cu_seqlens", cu_seqlens, 1)
     if cu.dtype not in _INDEX_DTYPES:
         raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
@@ -115,6 +114,13 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.
         raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
+    return cu
+
+
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device: torch.device) -> Optional[Tensor]:
+    """Validate cu_seqlens (and its host copy); returns its values on the host (from cu_seqlens_cpu, the cache, or one
+    device-to-host copy), or None where they cannot be read (inside torch.compile or a CUDA-graph capture)."""
+    cu = _check_cu_structure(cu_seqlens, B, device)
     if cu_seqlens_cpu is None:
         if not _can_read_values(cu):  # values are validated eagerly, outside torch.compile / CUDA-graph capture
             return None

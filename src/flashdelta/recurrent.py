@@ -31,7 +31,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import dispatch
-from .api import (_INDEX_DTYPES, _QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_devices,
+from .api import (_QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_cu_structure, _check_devices,
                   _check_gate_params, _check_heads, _check_scale, _check_state, _flag, _float_dtype, _no_forward_ad,
                   _state_layout, _tensor)
 from .autograd import _caller_stacklevel
@@ -284,20 +284,6 @@ def _kernel_path(q: Tensor, v: Tensor, need_grad: bool, tensors: tuple) -> bool:
 def _kernel_path_error(device: torch.device):
     raise UnsupportedError(f"{dispatch.ENV_BACKEND}=sm90 needs CUDA tensors on an SM90 (Hopper) GPU; got device "
                            f"{device} (arch {dispatch.current_arch(device)})")
-
-
-def _check_cu_structure(cu_seqlens, B: int, device: torch.device) -> None:
-    """cu_seqlens' type, shape and device, without reading its values (the kernel path's check: no device-to-host
-    copy); the messages are `api._check_cu_seqlens`'."""
-    cu = _tensor("cu_seqlens", cu_seqlens, 1)
-    if cu.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected torch.int32 or torch.int64")
-    if B != 1:
-        raise ValueError(f"cu_seqlens (varlen input) needs batch size 1, got q with B={B}; pack the sequences along T")
-    if cu.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have N + 1 >= 2 entries (N sequences), got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"cu_seqlens is on {cu.device} but q is on {device}; put all tensors on one device")
 
 
 def _dims(name: str, shape: tuple) -> str:

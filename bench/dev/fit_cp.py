@@ -269,22 +269,33 @@ def main():
         print(f"  {n} = {x:.4g}")
 
     # ---- chosen vs best, with the shipped and the fitted constants
+    _chosen_vs_best(cp, fit, table, "api",
+                    lambda r: cp.choose(T=r["T"], N=r["N"], HV=r["HV"], K=128, V=128, sms=sms, lengths=r["lengths"]))
+
+
+def _chosen_vs_best(cp, fit, table, times: str, pick, off_over_auto: bool = False) -> None:
+    """The chosen-vs-best table: per row the time with CP off, the best over the measured L (``r[times]``: L -> us),
+    the L the shipped constants chose, the L `pick(r)` chooses with the fitted constants (set on `cp` for the table,
+    then restored) and its time over the best."""
     shipped = {n: getattr(cp, n) for n in fit if hasattr(cp, n)}
-    for n, x in fit.items():
-        if hasattr(cp, n):
-            setattr(cp, n, x)
+    for n in shipped:
+        setattr(cp, n, fit[n])
+    extra = f" {'off/auto':>8}" if off_over_auto else ""
     print(f"\n{'heads':>6} {'seqlens':>10} {'off us':>9} {'best us':>9} {'best L':>6} {'ship L':>6} {'fit L':>6} "
-          f"{'auto us':>9} {'fit/best':>8}")
+          f"{'auto us':>9} {'fit/best':>8}" + extra)
     worst = 1.0
-    for r in table:
-        fit_L = cp.choose(T=r["T"], N=r["N"], HV=r["HV"], K=128, V=128, sms=sms, lengths=r["lengths"])
-        t_fit = r["api"].get(fit_L, r["off"]) if fit_L else r["off"]
-        worst = max(worst, t_fit / r["best"])
-        print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
-              f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f}")
-    print(f"worst chosen/best with the fitted constants: {worst:.3f}")
-    for n, x in shipped.items():
-        setattr(cp, n, x)
+    try:
+        for r in table:
+            fit_L = pick(r)
+            t_fit = r[times].get(fit_L, r["off"]) if fit_L else r["off"]
+            worst = max(worst, t_fit / r["best"])
+            extra = f" {r['off'] / r['auto']:8.3f}" if off_over_auto else ""
+            print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
+                  f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f}" + extra)
+        print(f"worst chosen/best with the fitted constants: {worst:.3f}")
+    finally:
+        for n, x in shipped.items():
+            setattr(cp, n, x)
 
 
 def bwd_main(args):
@@ -400,21 +411,7 @@ def bwd_main(args):
     print("\nfitted constants (paste into src/flashdelta/cp.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
-    shipped = {n: getattr(cp, n) for n in fit}
-    for n, x in fit.items():
-        setattr(cp, n, x)
-    print(f"\n{'heads':>6} {'seqlens':>10} {'off us':>9} {'best us':>9} {'best L':>6} {'ship L':>6} {'fit L':>6} "
-          f"{'auto us':>9} {'fit/best':>8} {'off/auto':>8}")
-    worst = 1.0
-    for r in table:
-        fit_L = cp.choose_bwd(**r["kw"])
-        t_fit = r["fb"].get(fit_L, r["off"]) if fit_L else r["off"]
-        worst = max(worst, t_fit / r["best"])
-        print(f"{r['heads']:>6} {r['seqlens']:>10} {r['off']:9.1f} {r['best']:9.1f} {r['best_L']:>6} "
-              f"{r['chosen']:>6} {fit_L:>6} {r['auto']:9.1f} {t_fit / r['best']:8.3f} {r['off'] / r['auto']:8.3f}")
-    print(f"worst chosen/best with the fitted constants: {worst:.3f}")
-    for n, x in shipped.items():
-        setattr(cp, n, x)
+    _chosen_vs_best(cp, fit, table, "fb", lambda r: cp.choose_bwd(**r["kw"]), off_over_auto=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .gates import beta_activation, gdn_gate
 from .numerics import GATE_FLOOR
 
 __all__ = [
@@ -269,13 +270,19 @@ def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
 
 # ------------------------------------------------------------------------------------------------ stages
 
-def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):
+def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=None, beta_act=0, compute_dtype=None,
+                operand_dtype=None):
     """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1). Gates below
     `numerics.GATE_FLOOR` (-inf included) count as GATE_FLOOR (docs/numerics.md).
 
+    With `A_log` (and optionally `dt_bias`), g is the raw gate and the log decay is `gates.gdn_gate`'s
+    ``-exp(A_log) * softplus(g + dt_bias)``; with `beta_act` 1 or 2, beta holds logits and the stage uses
+    `gates.beta_activation`'s ``beta_act * sigmoid(beta)`` (docs/stages.md `prepare_fwd`).
+
     Returns ``g_cumsum [1,T,HV]`` (float32; float64 when compute_dtype is float64; 0 on padding) and
     ``A [1,T,HV,BT]`` (row i of each chunk's ``(I + strictly_lower(diag(b) K K^T))^{-1}`` at token
-    ``chunk_start + i``; columns past the chunk's length are 0), in `operand_dtype` if set else compute_dtype.
+    ``chunk_start + i``; columns past the chunk's length are 0), in `operand_dtype` if set else compute_dtype; with
+    `beta_act`, a third tensor: the activated beta ``[1,T,HV]`` in g_cumsum's dtype, 0 on padding.
     """
     cd = _resolve(compute_dtype, operand_dtype, k)
     gd = _state_dtype(cd)
@@ -284,6 +291,11 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, op
     HV = g.shape[-1]
     lay = chunk_layout(cu_seqlens, T, chunk_size, k.device)
     hmap = _head_map(H, HV, k.device)
+    if A_log is not None:
+        g = gdn_gate(g.to(gd), A_log.to(gd), None if dt_bias is None else dt_bias.to(gd))
+    if beta_act:
+        tail = torch.arange(T, device=k.device)[None, :, None] >= lay.cu[-1]     # the padding tail: 0
+        beta = torch.where(tail, torch.zeros((), dtype=gd, device=k.device), beta_activation(beta.to(gd), beta_act))
     gc = _gather(g, lay, gd)                                  # padded rows are 0 -> repeat the last value
     gc = torch.where(gc < GATE_FLOOR, GATE_FLOOR, gc).cumsum(-1)  # -inf and huge negative gates: the floor
     g_cumsum = _scatter(gc, lay, gd)
@@ -298,7 +310,7 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, compute_dtype=None, op
     Ac = torch.linalg.solve_triangular(Lm, eye, upper=False, unitriangular=True)
     adt = operand_dtype if operand_dtype is not None else cd
     A = _scatter(Ac, lay, adt)
-    return g_cumsum, A
+    return (g_cumsum, A, beta) if beta_act else (g_cumsum, A)
 
 
 def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):

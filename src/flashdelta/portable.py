@@ -324,9 +324,14 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, compute_dtype=None, operand_dtype=None):
+              chunk_size=64, chunk_skip=None, compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
-    ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64)."""
+    ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
+
+    `chunk_skip` (context parallelism's internal passes, `flashdelta.cp`): None, or an integer ``[N, HV]`` tensor;
+    sequence n's value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
+    initial state, so its final state is the state after its last chunk of a walk over the chunks from there. o on
+    the skipped chunks is unspecified. Applied on the device (a mask per step), no host read."""
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
@@ -334,14 +339,19 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     scale = _default_scale(scale, K)
     lay = chunk_layout(cu_seqlens, T, chunk_size, q.device)
     hmap = _head_map(H, HV, q.device)
+    if chunk_skip is not None and (tuple(chunk_skip.shape) != (lay.N, HV) or chunk_skip.is_floating_point()):
+        raise ValueError(f"chunk_skip: an integer [N, HV] = [{lay.N}, {HV}] tensor, got {chunk_skip.dtype} "
+                         f"{tuple(chunk_skip.shape)}")
     qc, kc, vc, Gc, bc, Ac = _gather_all(q, k, v, g_cumsum, beta, A, lay, cd)
     S = _state_in(initial_state, lay.N, HV, K, V, state_v_first, cd, q.device, "initial_state")
     oc = torch.zeros(lay.NT, HV, lay.BT, V, dtype=cd, device=q.device)
     tril = _tril(lay.BT, q.device)
-    for ids, seqs in lay.steps:
+    for c, (ids, seqs) in enumerate(lay.steps):
         O, S1 = _fwd_step(qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S[seqs],
                           scale=scale, rnd=rnd, tril=tril, need_o=True)
         oc[ids] = O
+        if chunk_skip is not None:              # heads that start later keep their initial state through chunk c
+            S1 = torch.where((chunk_skip[seqs].to(q.device) <= c)[:, :, None, None], S1, S[seqs])
         S[seqs] = S1
     o = _scatter(oc, lay, v.dtype)
     return o, _state_out(S, state_v_first, _state_dtype(cd))

@@ -5,7 +5,8 @@ stages from a native backend and the rest from the portable path (`flashdelta.di
 cross between backends is fixed by the contract below; everything else is private to one backend.
 
 Forward (`FORWARD`): ``l2norm_fwd`` (q and k, with ``use_qk_l2norm_in_kernel``), ``prepare_fwd`` -> (g_cumsum, A),
-``chunk_fwd`` -> (o, final state). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` again (recomputed, not
+``chunk_fwd`` -> (o, final state; its ``chunk_skip`` keyword, a per-(sequence, value head) start chunk, is context
+parallelism's, docs/stages.md). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` again (recomputed, not
 saved), ``state_recompute`` -> h, ``chunk_bwd`` -> (dq, dk, dv, dbeta, dG, dh0), ``group_sum`` (dq, dk per key head),
 ``prepare_bwd`` -> dg; with context parallelism also ``chunk_dstate`` -> each partition's start gradient from a zero
 end gradient (chunk_bwd's dh0 with dht = 0, K-first).

@@ -1,5 +1,6 @@
 """What the SM90 forward launches (`kernels.sm90.forward_builds`, behind `flashdelta.precompile.variants` and
-`flashdelta warmup`) and the SM90 kernel set's declared stages and limits, on the CPU."""
+`flashdelta warmup`) and the SM90 kernel set's declared stages and limits, on the CPU; context parallelism's
+`chunk_skip` builds of the fused forward compile (~8 s each, two at once) within the default build's register budget."""
 import pytest
 import torch
 
@@ -110,3 +111,57 @@ def test_kernel_set_by_keyword():
     assert kset.unsupported(64, 64, torch.bfloat16, "prepare_bwd") is None
     assert "(prepare_bwd)" in kset.unsupported(128, 128, torch.bfloat16, "prepare_bwd")
     assert kset.param_dtype(torch.float64) is torch.float64
+
+
+# ----------------------------------------------------------------------------------------- CP's chunk_skip builds
+
+SKIP_BUILDS = {   # the M pass (identity start, width K) and the E pass (zero start) at 2/8, K = V = 128
+    "M-h0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True,
+                                        False) + (False, True),
+    "E-noh0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, False,
+                                          False) + (False, True),
+}
+
+
+def _ptxas_report(src: str, tmp_path, name: str) -> str:
+    """ptxas' resource lines for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
+    import subprocess
+
+    from tilelang.env import env as tl_env
+
+    from flashdelta import toolkit
+
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(src)
+    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
+           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
+           "-v", str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return res.stdout + res.stderr
+
+
+def test_chunk_skip_builds_compile(tmp_path):
+    """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
+    under their own cache keys (the default builds' arguments are unchanged), they compile for sm_90a, pass the hang
+    checks, read `skip [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame)."""
+    import concurrent.futures
+
+    from _builds import hang_checks
+
+    lb = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                   initial_state=(True, False), chunk_skip=(False, True))
+    assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
+                                                            torch.float32, SCALE, h0, False) + extra
+                                     for h0 in (True, False) for extra in ((), (False, True))]
+    assert [a for _, _, a in lb][1::2] == list(SKIP_BUILDS.values())
+    assert fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE) == \
+        lb[::2][::-1], "the default list is the builds without the flag"
+    with concurrent.futures.ThreadPoolExecutor(len(SKIP_BUILDS)) as pool:
+        kernels = dict(zip(SKIP_BUILDS, pool.map(lambda a: fused_fwd.build(*a), SKIP_BUILDS.values())))
+    for name, kernel in kernels.items():
+        src = kernel.get_kernel_source()
+        assert hang_checks(src, kernel.get_host_source()) == [], name
+        sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+        assert "const int* __restrict__ skip" in sig, name
+        report = _ptxas_report(src, tmp_path, name)
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -28,6 +28,10 @@ shared-memory round trip. Warp roles (384 threads):
   A ring slot's v/A/g/beta part is released as soon as the chunk's Vd GEMMs complete (q/k when the chunk ends), so
   the producer starts the DRAM-bound loads one chunk earlier.
 
+Context parallelism's internal passes (`flashdelta.cp`) launch builds with `chunk_skip`: each (sequence, value
+head) starts its walk at a chunk given per CTA pair on the device (the warm-up windows, docs/algorithm.md §4.4); the
+start token moves, nothing else changes, and the builds without the flag are the same code as before it existed.
+
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
 shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
@@ -83,11 +87,14 @@ TABLE = timeline.Table(
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool, save_states: bool = False):
+          has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
-    the backward."""
+    the backward. chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk
+    at chunk ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state
+    after the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
+    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). Without it the kernel is unchanged."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -105,6 +112,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
+    skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
+
+    def walk_start(bos, eos, skip, i_n, i_hv):
+        # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (clamped, so that no product
+        # overflows and a skip past the end gives an empty walk); else the sequence start
+        if not chunk_skip:
+            return bos
+        c0 = T.min(T.max(skip[i_n, i_hv], 0), T.ceildiv(eos - bos, BT))
+        return T.min(bos + c0 * BT, eos)
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
@@ -262,6 +278,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         o: T.Tensor((1, T_, HV, V), dtype),
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
+        skip: skip_t,
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
@@ -308,7 +325,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         for u in T.vectorized(VEC):
                             o[0, T.cast(row, "int64"), i_hv, v0 + (e % per_row) * VEC + u] = T.cast(0, dtype)
             else:
-                bos = cu_seqlens[i_n]
+                bos = walk_start(cu_seqlens[i_n], cu_seqlens[i_n + 1], skip, i_n, i_hv)
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
                 n64 = T.cast(i_n, "int64")
@@ -444,12 +461,19 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                    h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,)) -> list:
+                    h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
+                    chunk_skip=(False,)) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
-    an initial state and in the given state layouts (what `flashdelta.warmup` compiles)."""
-    return [(f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst))
-            for has_h0 in initial_state for vfirst in state_v_first]
+    an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
+    builds with the per-(sequence, head) start chunk, which only context parallelism launches, `cp.builds`)."""
+    out = []
+    for has_h0 in initial_state:
+        for vfirst in state_v_first:
+            args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
+            label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
+            out += [(label + " skip", build, args + (False, True)) if skip else (label, build, args)
+                    for skip in chunk_skip]
+    return out
 
 
 def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
@@ -461,7 +485,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64):
+              chunk_size=64, chunk_skip=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -471,13 +495,17 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             the portable path's fp32, is converted).
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first), fp32, bf16 or fp16, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+        chunk_skip: None, or ``[N, HV]`` int32 (other integer dtypes are converted on the device): sequence n's
+            value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
+            initial state. For context parallelism's internal passes only (`flashdelta.cp`): o on the skipped
+            chunks is unspecified, and the final state is the state after the sequence's last chunk.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
     o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False)
+                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip)
     return o, ht
 
 
@@ -492,8 +520,9 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            save_states):
-    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states."""
+            save_states, chunk_skip=None):
+    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip` as `chunk_fwd` takes it
+    (not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -509,6 +538,10 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     hs = None
     if save_states:
         hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), q.dtype, dev)
+    if chunk_skip is not None:
+        assert not save_states and tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
+            "chunk_skip: integer [N, HV], chunk_fwd only"
+        chunk_skip = chunk_skip.to(torch.int32).contiguous()
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()
@@ -520,6 +553,9 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
                A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    if chunk_skip is not None:
+        build(*args, False, True)(*tensors, chunk_skip)
+        return o, ht, None
     if hs is None:
         build(*args)(*tensors)
         return o, ht, None

@@ -33,9 +33,10 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=No
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64):
+              chunk_size=64, chunk_skip=None):
     return _p.chunk_fwd(_up(q), _up(k), _up(v), _up(g_cumsum), _up(beta), _up(A), _up(initial_state),
-                        cu_seqlens, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size, **_F64)
+                        cu_seqlens, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
+                        chunk_skip=chunk_skip, **_F64)
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):

@@ -53,7 +53,7 @@ def test_builder_args():
             prepare_pipe.builder_args(H, HV, 128, torch.bfloat16, torch.float32)
     assert prepare_oneshot.min_blocks(16, 16, 0) == prepare_oneshot.min_blocks(16, 64, 1) == 5
     assert prepare_oneshot.min_blocks(16, 64, 0) == prepare_oneshot.min_blocks(16, 64, 2) == 4
-    assert prepare_pipe.builder_args(16, 16, 128, torch.bfloat16, torch.float32, num_sms=78)[-1] == 78
+    assert prepare_pipe.builder_args(16, 16, 128, torch.bfloat16, torch.float32, num_sms=78)[6] == 78
     assert prepare_pipe.blocks_per_sm(128, 1) == 4 and prepare_pipe.blocks_per_sm(128, 3) == 3
 
 

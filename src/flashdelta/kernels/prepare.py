@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import _tl, prepare_oneshot, prepare_pipe
-from .prepare_common import BT, NW, fwd_outputs
+from .prepare_common import BT, G_DTYPES, NW, fwd_outputs
 
 # Where the persistent kernel runs: value heads per key head in PIPE_GVA, and at least PIPE_MIN_ITEMS work items per
 # persistent CTA. (H200 grid: GVA 1 -2..-7% and GVA 3 -2..-6% of a row's time where the CTAs walk several items, +1..+3%
@@ -60,29 +60,58 @@ def use_pipe(H: int, HV: int, K: int, n_tok: int, n_seqs: int, num_sms: int) -> 
     return items >= PIPE_MIN_ITEMS * num_sms * prepare_pipe.blocks_per_sm(K, HV // H)
 
 
+def options(g_dtype: torch.dtype = torch.float32, a_log_dtype: Optional[torch.dtype] = None,
+            dt_bias_dtype: Optional[torch.dtype] = None, beta_act: int = 0) -> tuple:
+    """The builders' option arguments (`prepare_common.option_args`) from dtypes: the gate's, A_log's and dt_bias'
+    as the launcher passes them (float64 goes in as fp32; None: absent), and beta_act."""
+    name = lambda dt: None if dt is None else _tl.TL_DTYPE[_kernel_dtype(dt)]  # noqa: E731
+    return name(g_dtype), name(a_log_dtype), name(dt_bias_dtype), int(beta_act)
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in G_DTYPES else torch.float32
+
+
+def _label(opts: tuple) -> str:
+    g_dtype, a_log_dtype, dt_bias_dtype, beta_act = opts
+    gate = "" if a_log_dtype is None else f" gate(g {g_dtype}, A_log {a_log_dtype}, dt_bias {dt_bias_dtype})"
+    return gate + (f" beta_act={beta_act}" if beta_act else "")
+
+
 def launcher_builds(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
-                    num_sms: Optional[int] = None) -> list:
+                    num_sms: Optional[int] = None, *, g_dtype: torch.dtype = torch.float32,
+                    a_log_dtype: Optional[torch.dtype] = None, dt_bias_dtype: Optional[torch.dtype] = None,
+                    beta_act: int = 0) -> list:
     """(label, builder, args) of every kernel `prepare_fwd` may launch for these heads: the one-shot kernel's
     heads-per-CTA splits and, for `PIPE_GVA`, the persistent kernel. num_sms (the persistent kernel's grid): this
-    machine's GPU if there is one, else 132 (H100 SXM, H200)."""
-    out = [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}", prepare_oneshot.build,
-            prepare_oneshot.builder_args(H, HV, K, k_dtype, beta_dtype, hpc)) for hpc in launcher_heads_per_cta(H, HV)]
+    machine's GPU if there is one, else 132 (H100 SXM, H200). The options as `prepare_fwd` takes them: the gate's
+    dtype (fp32 without the in-kernel gate), A_log's and dt_bias' (None: no in-kernel gate, no bias), beta_act."""
+    opts = options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
+    out = [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}{_label(opts)}", prepare_oneshot.build,
+            prepare_oneshot.builder_args(H, HV, K, k_dtype, beta_dtype, hpc, opts))
+           for hpc in launcher_heads_per_cta(H, HV)]
     if HV // H in PIPE_GVA:
-        out.append((f"prepare_fwd H={H} HV={HV} K={K} persistent", prepare_pipe.build,
-                    prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=_tl.num_sms() if num_sms is None else num_sms)))
+        num_sms = _tl.num_sms() if num_sms is None else num_sms
+        out.append((f"prepare_fwd H={H} HV={HV} K={K} persistent{_label(opts)}", prepare_pipe.build,
+                    prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms, options=opts)))
     return out
 
 
 def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                chunk_size: int = 64, persistent: Optional[bool] = None,
-                heads_per_cta: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-local gate cumsum and the per-chunk WY inverse (docs/stages.md `prepare_fwd`).
+                chunk_size: int = 64, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                beta_act: int = 0, persistent: Optional[bool] = None, heads_per_cta: Optional[int] = None) -> tuple:
+    """Chunk-local gate cumsum and the per-chunk WY inverse (docs/stages.md `prepare_fwd`), with the in-kernel gate
+    and beta activations.
 
     Args:
         k: ``[1, T, H, K]`` bf16/fp16, K in (64, 128, 256).
-        g: ``[1, T, HV]`` fp32 log decays.
-        beta: ``[1, T, HV]`` any float dtype.
+        g: ``[1, T, HV]`` fp32 log decays; with A_log the raw gate, bf16/fp16/fp32.
+        beta: ``[1, T, HV]`` any float dtype; with beta_act its logits.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+        A_log, dt_bias: ``[HV]`` any float dtype (float64 goes in as fp32): the in-kernel gate
+            ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus(x) = x above 20), fp32; A_log None: off; dt_bias
+            None: no bias.
+        beta_act: 1 or 2: beta is ``beta_act * sigmoid(beta)`` (fp32); 0: as given.
         persistent: which kernel (bit-identical results): True the persistent one, False the one-shot one; None the
             launcher's pick (`use_pipe`).
         heads_per_cta: value heads per CTA (one-shot) or work item (persistent), a divisor of HV / H; None: the
@@ -90,21 +119,28 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
 
     Returns:
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
-        ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``.
+        ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``; with beta_act, a third
+        tensor: the activated beta ``[1, T, HV]`` fp32 (0 on padding).
     """
     _, n_tok, H, K = k.shape
     HV = g.shape[-1]
     if heads_per_cta is not None and (heads_per_cta < 1 or (HV // H) % heads_per_cta):
         raise ValueError(f"heads_per_cta: must divide HV / H = {HV // H}; got {heads_per_cta}")
-    cu_seqlens, g_cumsum, A = fwd_outputs(k, g, beta, cu_seqlens, chunk_size)
+    assert dt_bias is None or A_log is not None
+    if A_log is not None:       # the raw gate and the gate's parameters as the kernels take them
+        g, A_log, dt_bias = (None if x is None else x.to(_kernel_dtype(x.dtype)).contiguous()
+                             for x in (g, A_log, dt_bias))
+    cu_seqlens, g_cumsum, A, beta_out = fwd_outputs(k, g, beta, cu_seqlens, chunk_size, A_log, beta_act)
+    out = (g_cumsum, A) if beta_out is None else (g_cumsum, A, beta_out)
     if n_tok == 0:
-        return g_cumsum, A
+        return out
     num_sms = _tl.num_sms(k.device)
     if persistent is None:
         persistent = heads_per_cta is None and use_pipe(H, HV, K, n_tok, cu_seqlens.shape[0] - 1, num_sms)
+    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
     if persistent:
-        prepare_pipe.launch(k, g, beta, cu_seqlens, g_cumsum, A, num_sms=num_sms, heads_per_cta=heads_per_cta or 0)
+        prepare_pipe.launch(*tensors, num_sms=num_sms, heads_per_cta=heads_per_cta or 0, beta_act=beta_act)
     else:
         hpc = pick_heads_per_cta(H, HV, n_tok, num_sms) if heads_per_cta is None else heads_per_cta
-        prepare_oneshot.launch(k, g, beta, cu_seqlens, g_cumsum, A, heads_per_cta=hpc)
-    return g_cumsum, A
+        prepare_oneshot.launch(*tensors, heads_per_cta=hpc, beta_act=beta_act)
+    return out

@@ -9,11 +9,14 @@ tile load and K K^T. A CTA finds its chunk by searching cu_seqlens (kernels/_chu
 Timeline: `TABLE` (kernels/timeline.py), thread 0 of the CTAs of key head 0 and chunk slots < 64, one entry per phase.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+from typing import Optional
+
 import tilelang.language as T
 import torch
 
 from . import _chunks, _ptx, _tl, timeline
-from .prepare_common import BF16, BT, F32, NW, SUPPORTED_K, floor_gate, heads_key, split_gram
+from .prepare_common import (BF16, BT, F32, GATE_PRELUDE, NW, SUPPORTED_K, beta_load, check_options, gate_load,
+                             gate_mode, heads_key, option_args, split_gram)
 
 THREADS = 128              # one warpgroup: the M = 64 wgmma for K K^T
 MIN_BLOCKS = 4             # CTAs per SM the registers and shared memory allow (106 registers, 48.6 KB at K = 128)
@@ -41,11 +44,16 @@ def min_blocks(H: int, HV: int, heads_per_cta: int) -> int:
 
 
 @_tl.jit(table=TABLE)
-def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int):
+def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, g_dtype: str = F32,
+          a_log_dtype: Optional[str] = None, dt_bias_dtype: Optional[str] = None, beta_act: int = 0):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's); the build is
-    sized for `min_blocks` CTAs per SM."""
+    sized for `min_blocks` CTAs per SM. g_dtype, a_log_dtype, dt_bias_dtype, beta_act: the in-kernel activations
+    (prepare_common.py; an A_log dtype makes g the raw gate, None drops A_log / dt_bias; beta_act 1 or 2 makes beta
+    logits and adds the activated beta's output)."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K
+    check_options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
+    gate = gate_mode(a_log_dtype, dt_bias_dtype)
     G = heads_per_cta or HV // H    # value heads per CTA
     NG = HV // H // G               # CTAs per (chunk slot, key head)
     assert (HV // H) % G == 0
@@ -56,15 +64,20 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
     B16 = 16
     blocks = min_blocks(H, HV, heads_per_cta)
     prelude = _ptx.WY_INVERSE_PRELUDE + timeline.prelude(TABLE)
+    if gate or beta_act:
+        prelude += GATE_PRELUDE
 
     @T.prim_func
     def prepare_fwd_kernel(
         k: T.Tensor((1, n_tok, H, K), k_dtype),
-        g: T.Tensor((1, n_tok, HV), F32),
+        g: T.Tensor((1, n_tok, HV), g_dtype),
         beta: T.Tensor((1, n_tok, HV), beta_dtype),
+        A_log: T.Tensor((HV,), a_log_dtype) if a_log_dtype is not None else None,
+        dt_bias: T.Tensor((HV,), dt_bias_dtype) if dt_bias_dtype is not None else None,
         cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
+        beta_out: T.Tensor((1, n_tok, HV), F32) if beta_act else None,
     ):
         with T.Kernel(_chunks.num_slots(n_tok, n_seqs, BT), H * NG, threads=THREADS, prelude=prelude) as (i_s, i_y):
             T.annotate_min_blocks_per_sm(blocks)
@@ -100,9 +113,9 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     for i, d in T.Parallel(BT, K):
                         k_shared[i, d] = T.if_then_else(t0 + i < eos, k[0, t0 + i, i_h, d], 0)
                     for i, j in T.Parallel(BT, G):
-                        g_shared[i, j] = T.if_then_else(t0 + i < eos, floor_gate(g[0, t0 + i, hv0 + j]), 0)
+                        g_shared[i, j] = T.if_then_else(t0 + i < eos, gate_load(g, t0 + i, hv0 + j, A_log, dt_bias, gate), 0)
                         beta_shared[i, j] = T.if_then_else(
-                            t0 + i < eos, T.cast(beta[0, t0 + i, hv0 + j], F32), 0)
+                            t0 + i < eos, beta_load(beta, t0 + i, hv0 + j, beta_act), 0)
                     # [BT, K] @ [K, BT] -> [BT, BT]
                     mark(0, "c.loaded")
                     T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
@@ -113,6 +126,8 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
                             g_cumsum[0, t0 + i, hv0 + j] = g_shared[i, j]
+                            if beta_act:
+                                beta_out[0, t0 + i, hv0 + j] = beta_shared[i, j]
                     mark(0, "c.cumsum")
                     # warp w inverts value heads w, w + NW, ... (`_ptx.WY_INVERSE_PRELUDE`); every thread makes the
                     # call (no branch around it: no barrier can diverge), a warp without a head returns at once
@@ -133,6 +148,8 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     for i, j in T.Parallel(BT, G):
                         if t0 + i < eos:
                             g_cumsum[0, t0 + i, hv0 + j] = 0
+                            if beta_act:
+                                beta_out[0, t0 + i, hv0 + j] = 0
                     if G == GB:
                         for i, j, c in T.Parallel(BT, G, BT):
                             if t0 + i < eos:
@@ -148,14 +165,16 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
-                 heads_per_cta: int = 0) -> tuple:
+                 heads_per_cta: int = 0, options: tuple = (F32, None, None, 0)) -> tuple:
     """The `build` arguments (its compile-cache key) for one call; heads_per_cta 0 (or HV / H): every value head of
-    a key head in one CTA."""
-    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta))
+    a key head in one CTA; options: `prepare_common.option_args` (default: g fp32 log decays, beta as given)."""
+    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), *options)
 
 
-def launch(k, g, beta, cu_seqlens, g_cumsum, A, *, heads_per_cta: int):
-    """Builds (or loads) the kernel for these inputs and runs it into g_cumsum and A (checked and allocated by the
-    caller, `prepare_common.fwd_outputs`; T > 0)."""
+def launch(k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out, *, heads_per_cta: int, beta_act: int):
+    """Builds (or loads) the kernel for these inputs and runs it into g_cumsum, A and beta_out (checked and
+    allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out None where absent)."""
     H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
-    build(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta))(k, g, beta, cu_seqlens, g_cumsum, A)
+    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, option_args(g, A_log, dt_bias, beta_act))
+    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
+    build(*args)(*[x for x in tensors if x is not None])

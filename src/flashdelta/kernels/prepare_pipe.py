@@ -24,11 +24,14 @@ ones (a slot past its sequence's last chunk) with kind 0, so both roles walk the
 Timeline: `TABLE` (kernels/timeline.py), consumer thread 0 and producer lane 0 of the first CTAs, per item.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+from typing import Optional
+
 import tilelang.language as T
 import torch
 
 from . import _chunks, _ptx, _tl, timeline
-from .prepare_common import BF16, BT, F32, NW, SUPPORTED_K, heads_key, split_gram
+from .prepare_common import (BF16, BT, F32, GATE_PRELUDE, NW, SUPPORTED_K, beta_load, check_options, gate_cumsum,
+                             gate_mode, heads_key, option_args, split_gram)
 
 CONSUMERS = 128             # threads of a consumer warpgroup (K K^T on wgmma, one value head per warp in the inverse)
 SMEM_PER_SM = 227 * 1024    # usable shared memory per SM (H100/H200), less 1 KB reserved per CTA below
@@ -77,11 +80,16 @@ def blocks_per_sm(K: int, G: int) -> int:
 
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
-def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, num_sms: int):
+def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, num_sms: int,
+          g_dtype: str = F32, a_log_dtype: Optional[str] = None, dt_bias_dtype: Optional[str] = None,
+          beta_act: int = 0):
     """heads_per_cta as in `prepare_oneshot.build` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items)."""
+    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items); the in-kernel activations as in
+    `prepare_oneshot.build`."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K
+    check_options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
+    gate = gate_mode(a_log_dtype, dt_bias_dtype)
     G = heads_per_cta or HV // H    # value heads per item
     NG = HV // H // G               # items per (chunk slot, key head)
     assert (HV // H) % G == 0
@@ -97,14 +105,19 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
     @T.prim_func
     def prepare_fwd_pipe_kernel(
         k: T.Tensor((1, n_tok, H, K), k_dtype),
-        g: T.Tensor((1, n_tok, HV), F32),
+        g: T.Tensor((1, n_tok, HV), g_dtype),
         beta: T.Tensor((1, n_tok, HV), beta_dtype),
+        A_log: T.Tensor((HV,), a_log_dtype) if a_log_dtype is not None else None,
+        dt_bias: T.Tensor((HV,), dt_bias_dtype) if dt_bias_dtype is not None else None,
         cu_seqlens: T.Tensor((n_seqs + 1,), "int32"),
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
+        beta_out: T.Tensor((1, n_tok, HV), F32) if beta_act else None,
     ):
         n_items = _chunks.num_slots(n_tok, n_seqs, BT) * NY
         prelude = _ptx.WY_INVERSE_PRELUDE + _ptx.PRODUCER_PRELUDE + timeline.prelude(TABLE)
+        if gate or beta_act:
+            prelude += GATE_PRELUDE
         with T.Kernel(T.min(n_items, NC), threads=THREADS, prelude=prelude) as bx:
             T.annotate_min_blocks_per_sm(blocks)
             tx = T.get_thread_binding()
@@ -157,10 +170,7 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                         if G < NW:
                             # a warp without a value head does the gate cumsum (under the others' inverses)
                             if warp == G:
-                                T.call_extern("handle", f"fd_gate_cumsum<{G}>",
-                                              T.address_of(g[0, T.cast(t0, "int64"), hv0]),
-                                              T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
-                                              T.cast(HV, "int64"), ln, False, tx % 32)
+                                gate_cumsum(G, g, g_cumsum, t0, hv0, HV, ln, False, tx % 32, A_log, dt_bias, gate)
                         for rnd in T.serial(T.ceildiv(G, NW)):
                             j = rnd * NW + warp
                             jc = T.min(j, G - 1)
@@ -201,7 +211,16 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                         T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[s, :, :], barrier=full[s])
                         for r, j in T.Parallel(BT, G):
                             tt = T.cast(T.min(t0 + r, eos - 1), "int64")
-                            beta_s[s, r, j] = T.Select(t0 + r < eos, T.cast(beta[0, tt, hv0 + j], F32), 0.0)
+                            beta_s[s, r, j] = T.Select(t0 + r < eos, beta_load(beta, tt, hv0 + j, beta_act), 0.0)
+                            if beta_act:
+                                if t0 + r < eos:
+                                    beta_out[0, tt, hv0 + j] = beta_s[s, r, j]      # (this thread's own store)
+                    if beta_act:
+                        if (t0 < eos) & (seq == n_seqs):
+                            # padding tail: the activated beta is 0 there (g_cumsum's zeros: the cumsum below)
+                            for r, j in T.Parallel(BT, G):
+                                if t0 + r < eos:
+                                    beta_out[0, T.cast(t0 + r, "int64"), hv0 + j] = 0.0
                     if lane == 0:
                         meta_s[s, 0] = t0
                         meta_s[s, 1] = eos - t0
@@ -211,24 +230,26 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     # the gate cumsum goes straight to g_cumsum, after the hand-off (nothing on the chip waits for
                     # it); with fewer value heads than consumer warps a consumer warp does it for real chunks
                     if (t0 < eos) & ((G >= NW) | (seq == n_seqs)):
-                        T.call_extern("handle", f"fd_gate_cumsum<{G}>",
-                                      T.address_of(g[0, T.cast(t0, "int64"), hv0]),
-                                      T.address_of(g_cumsum[0, T.cast(t0, "int64"), hv0]),
-                                      T.cast(HV, "int64"), eos - t0, seq == n_seqs, lane)
+                        gate_cumsum(G, g, g_cumsum, t0, hv0, HV, eos - t0, seq == n_seqs, lane, A_log, dt_bias, gate)
                         mark(i, "p.cumsum")
 
     return prepare_fwd_pipe_kernel
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = _tl.DEFAULT_NUM_SMS) -> tuple:
-    """The `build` arguments (its compile-cache key) for one call; num_sms: the GPU's SM count (the grid)."""
-    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), int(num_sms))
+                 num_sms: int = _tl.DEFAULT_NUM_SMS, options: tuple = (F32, None, None, 0)) -> tuple:
+    """The `build` arguments (its compile-cache key) for one call; num_sms: the GPU's SM count (the grid); options:
+    `prepare_common.option_args` (default: g fp32 log decays, beta as given)."""
+    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), int(num_sms),
+            *options)
 
 
-def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, g_cumsum: torch.Tensor,
-           A: torch.Tensor, *, num_sms: int, heads_per_cta: int = 0):
-    """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum and A (checked and
-    allocated by the caller, `prepare_common.fwd_outputs`; T > 0)."""
+def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log, dt_bias, cu_seqlens: torch.Tensor,
+           g_cumsum: torch.Tensor, A: torch.Tensor, beta_out, *, num_sms: int, heads_per_cta: int = 0,
+           beta_act: int = 0):
+    """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum, A and beta_out (checked
+    and allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out None where absent)."""
     H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
-    build(*builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms))(k, g, beta, cu_seqlens, g_cumsum, A)
+    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms, option_args(g, A_log, dt_bias, beta_act))
+    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
+    build(*args)(*[x for x in tensors if x is not None])

@@ -18,7 +18,7 @@ from torch.autograd import forward_ad
 from . import cp, dispatch
 from .autograd import forward
 from .dispatch import UnsupportedError
-from .gates import beta_sigmoid, gdn_gate
+from .gates import beta_act_code
 
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -227,8 +227,8 @@ def chunk_gated_delta_rule(
         output_final_state: return the final state ``[N, HV, K, V]`` fp32 (float64 for float64 inputs),
             in the layout of initial_state.
         use_qk_l2norm_in_kernel: normalise q and k per head: ``x * rsqrt(sum(x^2) + 1e-6)``.
-        use_beta_sigmoid_in_kernel: beta holds logits; the operator uses ``sigmoid(beta)`` (fp32), and the
-            gradient flows to the logits.
+        use_beta_sigmoid_in_kernel: beta holds logits; the operator uses ``sigmoid(beta)``, computed in fp32 by the
+            prepare stage (the SM90 prepare kernel as it loads beta), and the gradient flows to the logits.
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, use ``2 * sigmoid(beta)`` (in ``(0, 2)``). Without it,
             ValueError (as FLA).
         state_v_first: state tensors are ``[.., V, K]`` instead of ``[.., K, V]``.
@@ -247,9 +247,10 @@ def chunk_gated_delta_rule(
         cp_context: FLA's context-parallel context (``FLACPContext``). Not taken here (this function's
             cu_seqlens and state rows are one process's): anything but None raises `UnsupportedError`; context
             parallelism across GPUs is `flashdelta.distributed.chunk_gated_delta_rule_cp(..., cp_context=)`.
-        use_gate_in_kernel: g is the raw gate; the operator uses ``g = -exp(A_log) * softplus(g + dt_bias)``,
-            computed in fp32 before the kernels (`flashdelta.gates.gdn_gate`); gradients flow to the raw g,
-            A_log and dt_bias.
+        use_gate_in_kernel: g is the raw gate (bf16, fp16 or fp32 go into the kernel as they are); the operator uses
+            ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus(x) = x above 20), computed in fp32 by the prepare
+            stage (the SM90 prepare kernel as it loads g; `flashdelta.gates.gdn_gate` on the portable path);
+            gradients flow to the raw g, A_log and dt_bias.
         A_log: ``[HV]`` float, required with ``use_gate_in_kernel`` (ignored without it, as in FLA).
         dt_bias: ``[HV]`` float or None, added to g before the softplus with ``use_gate_in_kernel`` (ignored
             without it).
@@ -307,18 +308,17 @@ def chunk_gated_delta_rule(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _check_state("initial_state", initial_state, N, HV, K, V, state_v_first)
 
-    params = (A_log, dt_bias) if use_gate_in_kernel else ()
-    _no_forward_ad("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, *params)
-    if use_gate_in_kernel:
-        g = gdn_gate(g, A_log, dt_bias)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta_sigmoid(beta, allow_neg_eigval)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None      # ignored without the in-kernel gate (as in FLA)
+    _no_forward_ad("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, A_log, dt_bias)
     need_bwd = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None,
                                 cu_host if cu_seqlens is not None else None)
+    # the in-kernel gate and beta activation are stage prepare_fwd's options (docs/stages.md)
     o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                             use_qk_l2norm_in_kernel, state_v_first, need_bwd, cp_code)
+                             use_qk_l2norm_in_kernel, state_v_first, need_bwd, cp_code, A_log, dt_bias,
+                             beta_act_code(use_beta_sigmoid_in_kernel, allow_neg_eigval))
     return o, (final_state if output_final_state else None)
 
 

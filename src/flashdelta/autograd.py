@@ -11,7 +11,11 @@ Neither op reads device data on the host (no `.item()`, `.tolist()`), so `torch.
 traces through them and CUDA graphs can capture the Hopper path. The portable backend itself reads
 `cu_seqlens` on the host (its loop over sequences is in Python).
 
-The forward op's last argument is the context-parallel code from `cp.decide`: both passes' partition lengths
+The ops' A_log, dt_bias and beta_act are the in-kernel gate and beta activation, passed to stage prepare_fwd (the
+forward and the backward's recompute); the backward computes their gradients explicitly (`gates.gdn_gate_bwd`,
+`gates.beta_activation_bwd`) from prepare_bwd's dg and chunk_bwd's dbeta.
+
+The forward op's context_parallel argument is the code from `cp.decide`: both passes' partition lengths
 (`cp.encode`; 0: serial), or `cp.CP_AUTO` / `cp.CP_ON` (decided in each op from the concrete shapes). The backward
 op gets the same code through autograd's context and runs `cp.cp_chunk_bwd` (exact, docs/dev/cp.md) where the
 backward's part of it splits; the forward's part decides the forward alone (the two passes recompute their own
@@ -29,6 +33,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import cp, dispatch
+from .gates import beta_activation_bwd, gdn_gate_bwd
 from .portable import l2norm_bwd
 from .stages import KernelSet
 
@@ -66,6 +71,18 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor, cu: Tensor,
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor], beta_act: int) -> tuple:
+    """Stage prepare_fwd on the flat inputs, with the in-kernel gate (A_log: g is the raw gate, in a dtype the
+    backend takes) and beta activation (beta_act: beta holds logits). Returns (g_cumsum, A, beta as the later stages
+    take it: the activated beta with beta_act, else the flat input)."""
+    ks = plan.kset("prepare_fwd")
+    gf, bf = _flat(g), _flat(beta)
+    gf = _param(gf, ks) if A_log is not None else gf.to(_gate_dtype(q))
+    out = ks.prepare_fwd(kf, gf, _param(bf, ks), cu, A_log=A_log, dt_bias=dt_bias, beta_act=beta_act)
+    return out[0], out[1], (out[2] if beta_act else bf)
+
+
 _warned: set = set()
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
@@ -96,22 +113,26 @@ def _plan(q: Tensor, v: Tensor, need_bwd: bool) -> dispatch.Plan:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
             cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-            need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
+            need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
+            dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor]:
     """(o, final_state) through the custom op where autograd, torch.compile or a tensor subclass (fake tensors,
     DTensor, ...) needs it; otherwise (plain tensors, no gradient, eager) the same function called directly. The
     custom op's eager dispatch imports torch._dynamo on its first call (1.4 s on the CPU machine, ~4 s on the GPU
-    machine) and adds per-call Python overhead; inference does not need either."""
+    machine) and adds per-call Python overhead; inference does not need either. A_log, dt_bias, beta_act: the
+    in-kernel gate and beta activation of stage prepare_fwd (docs/stages.md)."""
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
+    gate = (A_log, dt_bias, beta_act)
     # (functorch's vmap/grad wrappers are of type Tensor too; the op runs them through torch's batching fallback)
     if need_bwd or torch.compiler.is_compiling() or not all(
-            x is None or (type(x) is Tensor and not is_functorch_wrapped_tensor(x)) for x in tensors):
-        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel)
-    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel)
+            x is None or (type(x) is Tensor and not is_functorch_wrapped_tensor(x)) for x in tensors + gate[:2]):
+        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)
+    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)
 
 
 def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-                   need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
+                   need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
+                   dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor]:
     """The forward's body (`chunk_gdn_fwd` and the direct path of `forward`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -126,8 +147,8 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     if use_qk_l2norm:
         l2norm = plan.fn("l2norm_fwd")
         qf, kf = l2norm(qf)[0], l2norm(kf)[0]
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
-    g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
+    cu = _cu(q, cu_seqlens)
+    g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     ks = plan.kset("chunk_fwd")
     L = cp.resolve_code(context_parallel, kset=ks, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, N=N,
                         varlen=cu_seqlens is not None)
@@ -144,14 +165,15 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
 @torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
 def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
-                  need_bwd: bool, context_parallel: int = 0) -> tuple[Tensor, Tensor]:
+                  need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
+                  dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor]:
     return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
-                          need_bwd, context_parallel)
+                          need_bwd, context_parallel, A_log, dt_bias, beta_act)
 
 
 @chunk_gdn_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, need_bwd,
-      context_parallel=0):
+      context_parallel=0, A_log=None, dt_bias=None, beta_act=0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
@@ -161,8 +183,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
 @torch.library.custom_op("flashdelta::chunk_gdn_bwd", mutates_args=())
 def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float,
-                  use_qk_l2norm: bool, state_v_first: bool,
-                  context_parallel: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  use_qk_l2norm: bool, state_v_first: bool, context_parallel: int = 0,
+                  A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                  beta_act: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dh0_empty = q.new_empty(0, dtype=torch.float32)
@@ -170,15 +193,15 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         dh0 = dh0_empty if initial_state is None else (
             dht.to(initial_state.dtype).clone() if dht is not None else torch.zeros_like(initial_state))
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
-                torch.zeros_like(beta), dh0)
+                torch.zeros_like(beta), dh0, *_param_grads(q, A_log, dt_bias))
     plan = _plan(q, v, True)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
         l2norm = plan.fn("l2norm_fwd")
         (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
-    gf, bf, cu = _flat(g).to(_gate_dtype(q)), _flat(beta), _cu(q, cu_seqlens)
+    cu = _cu(q, cu_seqlens)
     dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
-    g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
+    g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     ks = plan.kset("chunk_bwd")      # state_recompute's too (stages.COUPLED: h is backend-private)
     N = _num_seqs(q, cu_seqlens)
     L = cp.resolve_code(context_parallel, kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T,
@@ -196,38 +219,59 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     group_sum = plan.fn("group_sum")
     dq, dk = group_sum(dq, H), group_sum(dk, H)
     dg = plan.fn("prepare_bwd")(dG, cu)
+    dA_log, ddt_bias = _param_grads(q, A_log, dt_bias)
+    if A_log is not None:       # the in-kernel gate's backward (docs/stages.md "The activations' backward")
+        dg, dA_log, ddt_bias = gdn_gate_bwd(dg, _flat(g), A_log, dt_bias)
+        dA_log, ddt_bias = dA_log.to(A_log.dtype), (ddt_bias.to(dt_bias.dtype) if dt_bias is not None else ddt_bias)
+    if beta_act:
+        dbeta = beta_activation_bwd(dbeta, bf, beta_act)
     if use_qk_l2norm:
         dq, dk = l2norm_bwd(qf, rq, dq), l2norm_bwd(kf, rk, dk)
     dh0 = dh0.to(initial_state.dtype) if initial_state is not None else dh0_empty
     return (dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype),
-            dg.reshape(g.shape).to(g.dtype), dbeta.reshape(beta.shape).to(beta.dtype), dh0)
+            dg.reshape(g.shape).to(g.dtype), dbeta.reshape(beta.shape).to(beta.dtype), dh0, dA_log, ddt_bias)
+
+
+def _param_grads(q: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor]) -> tuple:
+    """Zero gradients of A_log and dt_bias (an empty tensor of its own for an absent one: custom ops return
+    tensors, none an alias of another)."""
+    return tuple(torch.zeros_like(x) if x is not None else q.new_empty(0, dtype=torch.float32)
+                 for x in (A_log, dt_bias))
 
 
 @chunk_gdn_bwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0,
+      A_log=None, dt_bias=None, beta_act=0):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+            torch.empty_like(beta), dh0, *_param_grads(q, A_log, dt_bias))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first = inputs[:10]
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    A_log, dt_bias, beta_act = inputs[12:15] if len(inputs) > 12 else (None, None, 0)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
     ctx.cp_code = inputs[11] if len(inputs) > 11 else 0        # the forward's CP code: the backward's split
+    ctx.beta_act = beta_act
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens = saved[:7]
+    A_log, dt_bias = saved[7:9] if len(saved) > 7 else (None, None)
     scale, use_qk_l2norm, state_v_first = ctx.opts
     context_parallel = getattr(ctx, "cp_code", 0)
+    beta_act = getattr(ctx, "beta_act", 0)
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht,
-                                               scale, use_qk_l2norm, state_v_first, context_parallel)
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gdn_bwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel,
+        A_log, dt_bias, beta_act)
     # one entry per forward input: q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, layout, need_bwd,
-    # context_parallel
-    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None, None
+    # context_parallel, A_log, dt_bias, beta_act
+    return (dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None, None,
+            dA_log if A_log is not None else None, ddt_bias if dt_bias is not None else None, None)
 
 
 torch.library.register_autograd("flashdelta::chunk_gdn_fwd", _backward, setup_context=_setup_context)

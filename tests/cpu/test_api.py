@@ -196,7 +196,7 @@ def test_backward_returns_one_gradient_per_input():
         opts = (0.25, False, False)
 
     grads = _backward(Ctx, torch.ones_like(o), None)
-    assert len(grads) == n_inputs == 12
+    assert len(grads) == n_inputs == 15
 
 
 def test_public_exports():

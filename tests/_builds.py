@@ -151,9 +151,10 @@ def shipped() -> list:
 
 
 def _cp_builds() -> dict:
-    """The builds of the context-parallel GPU tests (tests/gpu/test_cp_gpu.py, test_cp_scan.py: their `builds`)."""
+    """The builds of the GPU test files that list their own (their `builds`): the context-parallel tests
+    (tests/gpu/test_cp_gpu.py, test_cp_scan.py) and the in-kernel gate's (test_prepare.py, test_e2e_gpu.py)."""
     out: dict = {}
-    for stem in ("test_cp_gpu", "test_cp_scan"):
+    for stem in ("test_cp_gpu", "test_cp_scan", "test_prepare", "test_e2e_gpu"):
         for label, b, a in _gpu_test_module(stem).builds():
             _add(out, label, b, a)
     return out

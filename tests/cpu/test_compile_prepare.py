@@ -67,3 +67,109 @@ def test_prepare_fwd_checks_heads_per_cta():
     g = torch.zeros(1, 64, 4)
     with pytest.raises(ValueError, match="heads_per_cta"):
         prepare.prepare_fwd(k, g, g, torch.tensor([0, 64], dtype=torch.int32), heads_per_cta=3)
+
+
+# ------------------------------------------------------------------------------------- the in-kernel activations
+
+def _gate_builds() -> dict:
+    """label -> (builder, args) of every prepare build with the in-kernel options that the GPU tests launch
+    (tests/gpu/test_prepare.py and test_e2e_gpu.py list them in `builds()`; bench/precompile.py --tests compiles
+    them through tests/_builds.py)."""
+    from _builds import _gpu_test_module
+
+    out = {}
+    for stem in ("test_prepare", "test_e2e_gpu"):
+        for label, builder, args in _gpu_test_module(stem).builds():
+            if builder in (prepare_oneshot.build, prepare_pipe.build):
+                out[label] = (builder, args)
+    return out
+
+
+GATE_BUILDS = _gate_builds()
+
+
+@pytest.fixture(scope="module")
+def gate_results(request):
+    """label -> the hang-check findings of the build (or its exception), for the builds this run selected; compiled
+    on all cores at once, as tests/cpu/test_compile_tier.py does."""
+    import concurrent.futures
+    import os
+
+    from _builds import hang_checks
+
+    def compile_one(label):
+        builder, args = GATE_BUILDS[label]
+        kernel = builder(*args)
+        src = kernel.get_kernel_source()
+        return hang_checks(src, kernel.get_host_source()), src
+
+    labels = [item.callspec.params["label"] for item in request.session.items
+              if item.originalname == "test_in_kernel_gate_build_compiles_sm90"]
+    workers = max(1, min(len(labels), len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {label: pool.submit(compile_one, label) for label in labels}
+        return {label: f.exception() or f.result() for label, f in futures.items()}
+
+
+@pytest.mark.parametrize("label", list(GATE_BUILDS))
+def test_in_kernel_gate_build_compiles_sm90(label, gate_results):
+    """Every prepare build with the in-kernel options compiles for sm_90a, passes the hang checks, and calls the
+    activations it was built for (the gate's in the cumsum's load, beta's on load)."""
+    if isinstance(gate_results[label], BaseException):
+        raise gate_results[label]
+    findings, src = gate_results[label]
+    assert findings == []
+    _, args = GATE_BUILDS[label]
+    a_log_dtype, beta_act = args[-3], args[-1]
+    body = src.split('extern "C" __global__')[-1]                              # the kernel, after the preludes
+    assert ("fd_gdn_gate" in body) == (a_log_dtype is not None)
+    assert ("fd_beta_act(" in body) == bool(beta_act)
+
+
+def test_gate_builds_cover_every_option():
+    """The GPU tests' gate builds span both kernels, every value-head grouping class and every option."""
+    args = [a for b, a in GATE_BUILDS.values()]
+    assert {b for b, _ in GATE_BUILDS.values()} == {prepare_oneshot.build, prepare_pipe.build}
+    assert {a[1] // a[0] for a in args} >= {1, 2, 3, 4, 8}
+    assert {a[-4] for a in args} == {"bfloat16", "float16", "float32"}          # the raw gate's dtype
+    assert {a[-3] for a in args} == {None, "bfloat16", "float32"}               # A_log's
+    assert {a[-2] for a in args} == {None, "float16", "float32"}                # dt_bias'
+    assert {a[-1] for a in args} == {0, 1, 2}                                   # beta_act
+
+
+def test_option_arguments():
+    """The launcher's option arguments: the defaults are the builds without options (the same compile key spelled
+    either way), float64 parameters build the fp32 kernels the launcher converts them to, launcher_builds labels and
+    keys the option builds, and a build refuses a raw gate without A_log or dt_bias without A_log."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert prepare.options() == ("float32", None, None, 0)
+    assert prepare_oneshot.builder_args(4, 8, 128, bf16, f32, 2) == \
+        prepare_oneshot.builder_args(4, 8, 128, bf16, f32, 2, prepare.options())
+    assert prepare.options(torch.float64, torch.float64, torch.float64, 2) == ("float32", "float32", "float32", 2)
+    assert prepare.options(bf16, torch.float16, None, 1) == ("bfloat16", "float16", None, 1)
+    plain = prepare.launcher_builds(16, 48, 128, bf16, f32, num_sms=132)
+    gated = prepare.launcher_builds(16, 48, 128, bf16, f32, num_sms=132, g_dtype=bf16, a_log_dtype=f32, beta_act=1)
+    assert [b for _, b, _ in plain] == [b for _, b, _ in gated]
+    assert all(a[:-4] == p[:-4] and a[-4:] == ("bfloat16", "float32", None, 1) for (_, _, p), (_, _, a)
+               in zip(plain, gated))
+    assert all("gate(g bfloat16, A_log float32, dt_bias None) beta_act=1" in label for label, _, _ in gated)
+    with pytest.raises(AssertionError, match="pre-activated"):
+        prepare_oneshot.build.get_tir(2, 4, 128, "bfloat16", "float32", 0, "bfloat16", None, None, 0)
+    with pytest.raises(AssertionError):
+        prepare_pipe.build.get_tir(2, 4, 128, "bfloat16", "float32", 0, 132, "float32", None, "float32", 0)
+
+
+def test_builds_without_options_carry_no_activation():
+    """A build without the options has no activation code at all (its TIR is what it was before the options
+    existed); each option adds its own inputs: A_log, dt_bias, and the activated beta's output."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    plain = prepare_oneshot.build.get_tir(*prepare_oneshot.builder_args(2, 6, 128, bf16, f32)).script()
+    assert "fd_gdn_gate" not in plain and "fd_beta_act" not in plain and "A_log" not in plain
+    assert "beta_out" not in plain
+    full = prepare_pipe.build.get_tir(*prepare_pipe.builder_args(2, 6, 128, bf16, f32, 0, 132,
+                                                                 prepare.options(bf16, f32, f32, 2))).script()
+    assert all(name in full for name in ("A_log", "dt_bias", "beta_out", "fd_gdn_gate_cumsum<3, true>",
+                                         "fd_beta_act"))
+    nobias = prepare_pipe.build.get_tir(*prepare_pipe.builder_args(2, 6, 128, bf16, f32, 0, 132,
+                                                                   prepare.options(f32, f32, None, 0))).script()
+    assert "fd_gdn_gate_cumsum<3, false>" in nobias and "dt_bias" not in nobias and "beta_out" not in nobias

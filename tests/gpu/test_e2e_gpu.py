@@ -3,7 +3,7 @@
 auto-dispatched backward."""
 import pytest
 import torch
-from _helpers import assert_close, make_inputs
+from _helpers import Case, assert_close, make_inputs
 from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS,
                    E2E_SCALE_FP64)
 
@@ -155,3 +155,122 @@ def test_sm90_varlen_under_inference_mode(monkeypatch):
         o2, ht2 = chunk_gated_delta_rule(**y, output_final_state=True, cu_seqlens_cpu=cu.cpu())
     for o, ht in ((o1, ht1), (o2, ht2)):
         assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+
+
+# ------------------------------------------------------------------------ the in-kernel gate and beta activation
+
+GATE_FWD = Case("gate-in-kernel", (700, 1, 1300, 0, 64), H=2, HV=8, K=128, V=128, pad=9)
+# the backward at V = 128 (the SM90 chunk_bwd) and V = 256 (auto dispatch: the portable chunk_bwd)
+GATE_BWD = [Case("gate-bwd-v128", (300, 0, 133), H=2, HV=8, K=128, V=128, pad=5),
+            Case("gate-bwd-v256", (300, 0, 133), H=2, HV=8, K=128, V=256, pad=5)]
+# (raw gate dtype, dt_bias, beta_act); A_log fp32, beta's logits bf16
+GATE_E2E_OPTIONS = [(torch.bfloat16, True, 1), (torch.float32, False, 2)]
+GATE_E2E_IDS = ["bf16-bias-sigmoid", "fp32-nobias-negeig"]
+
+
+def builds() -> list:
+    """(label, builder, args) of the in-kernel gate tests' SM90 builds (this file's other builds are tests/_builds.py
+    `_e2e_builds`'): prepare with the options, and the other kernels of the forward (and backward) with the fp32 beta
+    that prepare hands on."""
+    from flashdelta.kernels import _tl, prepare
+    from flashdelta.precompile import variants
+
+    out = {}
+    todo = [(GATE_FWD, o, False) for o in GATE_E2E_OPTIONS] + [(c, GATE_E2E_OPTIONS[0], True) for c in GATE_BWD]
+    for case, (g_dtype, bias, beta_act), backward in todo:
+        todo_case = prepare.launcher_builds(case.H, case.HV, case.K, torch.bfloat16, torch.bfloat16,
+                                            num_sms=_tl.DEFAULT_NUM_SMS, g_dtype=g_dtype, a_log_dtype=torch.float32,
+                                            dt_bias_dtype=torch.float32 if bias else None, beta_act=beta_act)
+        todo_case += [b for b in variants([(case.H, case.HV)], head_dim=(case.K, case.V), dtype=torch.bfloat16,
+                                          beta_dtype=torch.float32, initial_state=(case.h0,),
+                                          state_v_first=(case.state_v_first,), qk_l2norm=False,
+                                          num_sms=_tl.DEFAULT_NUM_SMS, backward=backward)
+                      if b[1].__name__ not in ("prepare_oneshot.build", "prepare_pipe.build")]
+        for label, b, a in todo_case:
+            out.setdefault((b.__name__, a), (f"e2e {case.name}: {label}", b, a))
+    return list(out.values())
+
+
+def _gate_e2e_inputs(case, g_dtype, bias, requires_grad=False):
+    """make_inputs' q, k, v, h0 (bf16 / fp32) with the raw gate, beta's logits (bf16) and A_log, dt_bias (fp32)."""
+    from _gates import beta_logits, gate_params, raw_gate
+
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(100)
+    B, T = x["q"].shape[:2]
+    A_log, dt_bias = gate_params(case.HV, generator=gen)
+    x["g"] = raw_gate(B, T, case.HV, generator=gen).to(device="cuda", dtype=g_dtype)
+    x["beta"] = beta_logits(B, T, case.HV, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    p = dict(A_log=A_log.float().cuda(), dt_bias=dt_bias.float().cuda() if bias else None)
+    if requires_grad:
+        for t in list(x.values()) + list(p.values()):
+            if torch.is_tensor(t) and t.is_floating_point():
+                t.requires_grad_(True)
+    return x, p
+
+
+@pytest.mark.parametrize("g_dtype,bias,beta_act", GATE_E2E_OPTIONS, ids=GATE_E2E_IDS)
+def test_sm90_in_kernel_gate_forward(g_dtype, bias, beta_act, monkeypatch):
+    """use_gate_in_kernel (raw gate, A_log, dt_bias) and use_beta_sigmoid_in_kernel / allow_neg_eigval on the sm90
+    backend: o and the final state against the float64 reference of the activated inputs (with the bf16 PyTorch
+    baseline), run-to-run bits, and a CUDA-graph capture that replays them."""
+    from _gates import activated
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x, p = _gate_e2e_inputs(GATE_FWD, g_dtype, bias)
+    kw = dict(output_final_state=True, use_gate_in_kernel=True, **p, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=beta_act == 2)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(**x, **kw)
+        o2, ht2 = chunk_gated_delta_rule(**x, **kw)
+        assert torch.equal(o, o2) and torch.equal(ht, ht2)
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            o_g, ht_g = chunk_gated_delta_rule(**x, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o_g, o) and torch.equal(ht_g, ht)
+    g, beta = activated(x["g"], x["beta"], p["A_log"], p["dt_bias"], beta_act)
+    o_ref, ht_ref, o_pt, ht_pt = _reference(dict(x, g=g, beta=beta), False)
+    assert_close("o", o, o_ref, baseline=o_pt)
+    assert_close("ht", ht, ht_ref, baseline=ht_pt)
+    assert torch.all(o[:, -GATE_FWD.pad:] == 0)
+
+
+@pytest.mark.filterwarnings("ignore:flashdelta. running the portable PyTorch path")
+@pytest.mark.parametrize("case", GATE_BWD, ids=str)
+def test_in_kernel_gate_backward_on_gpu(case, monkeypatch):
+    """Auto dispatch with gradients: every gradient, the raw gate's, A_log's, dt_bias' and the logits' included,
+    against float64 autograd through the recurrence of the activated inputs."""
+    from _gates import activated
+
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
+    g_dtype, bias, beta_act = GATE_E2E_OPTIONS[0]
+    x, p = _gate_e2e_inputs(case, g_dtype, bias, requires_grad=True)
+    o, ht = chunk_gated_delta_rule(**x, **p, output_final_state=True, use_gate_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True)
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    p64 = {n: t.detach().double().requires_grad_(True) for n, t in p.items()}
+    g, beta = activated(x64["g"], x64["beta"], p64["A_log"], p64["dt_bias"], beta_act)
+    o_ref, ht_ref = recurrent_gated_delta_rule(x64["q"], x64["k"], x64["v"], g, beta,
+                                               initial_state=x64["initial_state"], cu_seqlens=x64["cu_seqlens"],
+                                               state_v_first=x64["state_v_first"])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(o.shape, generator=gen, device="cuda").bfloat16()
+    dht = torch.randn(ht.shape, generator=gen, device="cuda")
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    ((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum()).backward()
+    assert_close("o", o, o_ref)
+    for n, tname in (("q", "dq"), ("k", "dk"), ("v", "dv"), ("g", "dg"), ("beta", "dbeta"),
+                     ("initial_state", "dh0")):
+        assert_close(tname, x[n].grad, x64[n].grad)
+    for n in ("A_log", "dt_bias"):
+        assert p[n].grad.dtype == torch.float32
+        assert_close("dg", p[n].grad, p64[n].grad)
+    assert torch.all(x["g"].grad[:, -case.pad:] == 0) and torch.all(x["beta"].grad[:, -case.pad:] == 0)

@@ -147,3 +147,101 @@ def test_prepare_fwd_gate_floor(case, persistent):
     assert torch.isfinite(g_cumsum).all() and torch.isfinite(g_ref).all()
     assert_close("g_cumsum", g_cumsum, g_ref)
     assert_close("A", A, A_ref, baseline=A_ref.to(k.dtype))
+
+
+# ------------------------------------------------------------------------------------- the in-kernel activations
+
+# option sets of the in-kernel gate and beta activation: (raw gate dtype, A_log dtype, dt_bias dtype, beta_act);
+# a None A_log dtype: g is the log decay (fp32)
+GATE_OPTIONS = {
+    "bf16-bias-sigmoid": (torch.bfloat16, torch.float32, torch.float32, 1),
+    "fp32-bf16alog-nobias-negeig": (torch.float32, torch.bfloat16, None, 2),
+    "fp16-bias-nobeta": (torch.float16, torch.float32, torch.float16, 0),
+    "beta-sigmoid-only": (torch.float32, None, None, 1),
+}
+GATE_CASES = [(PREP_CASES[1], "bf16-bias-sigmoid"), (PREP_CASES[0], "bf16-bias-sigmoid"),
+              (PREP_CASES[5], "fp32-bf16alog-nobias-negeig"), (PREP_CASES[9], "bf16-bias-sigmoid"),
+              (PREP_CASES[3], "fp16-bias-nobeta"), (PREP_CASES[11], "beta-sigmoid-only"),
+              (PREP_CASES[8], "fp32-bf16alog-nobias-negeig")]
+
+
+def builds() -> list:
+    """(label, builder, args) of the in-kernel activation builds this file launches (the launcher's picks and the
+    persistent kernel on every case), without duplicates: what bench/precompile.py --tests compiles for it."""
+    from flashdelta.kernels import _tl, prepare_pipe
+
+    out = {}
+    for case, opt in GATE_CASES:
+        g_dtype, a_log_dtype, dt_bias_dtype, beta_act = GATE_OPTIONS[opt]
+        kw = dict(g_dtype=g_dtype, a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype, beta_act=beta_act)
+        todo = prepare.launcher_builds(case.H, case.HV, case.K, case.dtype, case.beta_dtype,
+                                       num_sms=_tl.DEFAULT_NUM_SMS, **kw)
+        todo.append(("prepare_fwd persistent (forced)", prepare_pipe.build, prepare_pipe.builder_args(
+            case.H, case.HV, case.K, case.dtype, case.beta_dtype, 0, _tl.DEFAULT_NUM_SMS, prepare.options(**kw))))
+        for label, b, a in todo:
+            out.setdefault((b.__name__, a), (f"{case.name} {opt}: {label}", b, a))
+    return list(out.values())
+
+
+def _gate_inputs(case, opt):
+    """The stage's inputs with the raw gate and beta's logits (tests/_gates.py) in the option set's dtypes."""
+    from _gates import beta_logits, gate_params, raw_gate
+
+    g_dtype, a_log_dtype, dt_bias_dtype, beta_act = GATE_OPTIONS[opt]
+    k, g, beta, cu = _inputs(case)
+    gen = torch.Generator().manual_seed(11)
+    T, HV = g.shape[1], g.shape[2]
+    A_log, dt_bias = gate_params(HV, generator=gen)
+    if a_log_dtype is not None:
+        g = raw_gate(1, T, HV, generator=gen).to(device="cuda", dtype=g_dtype)
+    if beta_act:
+        beta = beta_logits(1, T, HV, generator=gen).to(device="cuda", dtype=case.beta_dtype)
+    opts = dict(A_log=None if a_log_dtype is None else A_log.to(device="cuda", dtype=a_log_dtype),
+                dt_bias=None if dt_bias_dtype is None else dt_bias.to(device="cuda", dtype=dt_bias_dtype),
+                beta_act=beta_act)
+    return k, g, beta, cu, opts
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-shot", "persistent"])
+@pytest.mark.parametrize("case,opt", GATE_CASES, ids=[f"{c}-{o}" for c, o in GATE_CASES])
+def test_prepare_fwd_in_kernel_gate(case, opt, persistent):
+    """The raw gate (bf16 / fp16 / fp32), A_log, dt_bias and beta's logits straight into the kernels: g_cumsum, A and
+    the activated beta (fp32) against the float64 twin with the same options (which activates in float64), zeros
+    where the reference has them (padding, A's upper triangle), run-to-run bits, and both kernels bit-identical (the
+    same device functions compute the activations)."""
+    k, g, beta, cu, opts = _gate_inputs(case, opt)
+    out = prepare.prepare_fwd(k, g, beta, cu, persistent=persistent, **opts)
+    torch.cuda.synchronize()
+    want = ref.prepare_fwd(k, g, beta, cu, **opts)
+    assert len(out) == len(want) == (3 if opts["beta_act"] else 2)
+    g_cumsum, A = out[:2]
+    assert g_cumsum.dtype == torch.float32 and A.dtype == k.dtype
+    assert torch.isfinite(g_cumsum).all()
+    assert_close("g_cumsum", g_cumsum, want[0])
+    assert_close("A", A, want[1], baseline=want[1].to(k.dtype))
+    assert torch.all(A[want[1] == 0] == 0)
+    if opts["beta_act"]:
+        assert out[2].dtype == torch.float32
+        assert_close("beta", out[2], want[2], tol=1e-5)
+    if case.pad:
+        assert torch.all(g_cumsum[:, -case.pad:] == 0)
+        assert not opts["beta_act"] or torch.all(out[2][:, -case.pad:] == 0)
+    again = prepare.prepare_fwd(k, g, beta, cu, persistent=persistent, **opts)
+    assert all(torch.equal(a, b) for a, b in zip(out, again)), "run-to-run bits differ"
+    other = prepare.prepare_fwd(k, g, beta, cu, persistent=not persistent, heads_per_cta=case.HV // case.H, **opts)
+    assert all(torch.equal(a, b) for a, b in zip(out, other)), "the two kernels differ"
+
+
+def test_prepare_fwd_in_kernel_gate_graph_capture():
+    """The in-kernel options under CUDA-graph capture (int64 cu_seqlens converted on the device): the eager bits."""
+    case, opt = GATE_CASES[0]
+    k, g, beta, cu, opts = _gate_inputs(case, opt)
+    eager = prepare.prepare_fwd(k, g, beta, cu, **opts)
+    cu64 = cu.to(torch.int64)
+    prepare.prepare_fwd(k, g, beta, cu64, **opts)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prepare.prepare_fwd(k, g, beta, cu64, **opts)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))

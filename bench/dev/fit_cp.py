@@ -4,11 +4,14 @@ Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf1
 
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
   over the partitions (the cost of each of CP's three launches at K = V), the serial and the log-depth scan, the
-  zero values of the M pass, and the whole forward through the public API with CP off, with `context_parallel=L`,
-  and with the automatic choice (cu_seqlens_cpu given);
+  zero values of the M pass, the warm-up's decision (`cp.windows`) and its E pass (the windows) and M pass (the
+  fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
+  `context_parallel=L` (warm-up as the defaults give bf16: on) and with the warm-up off (``FLASHDELTA_CP_WARMUP=0``:
+  the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
-  `cp._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to the
-  log-depth ones and `HBM_GBPS` to the zero fill;
+  `cp_model._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to
+  the log-depth ones, `HBM_GBPS` to the zero fill and `WARMUP_US` to the decision (the mean over the rows; the
+  measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
@@ -22,7 +25,7 @@ given, fp32 beta):
   (`torch.autograd.grad` of o and the final state) through the public API with CP off and with the automatic
   choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`);
 - a least-squares fit of `BWD_LAUNCH_US`, `BWD_CHUNK_US`, `BWD_ITEM_US` to the chunk_bwd passes (the model of
-  `cp._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model) and `START_GRAD_FACTOR`
+  `cp_model._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model) and `START_GRAD_FACTOR`
   (chunk_dstate over chunk_bwd on the same partitions);
 - the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
   picks with the shipped and the fitted constants) and `cp.predict_bwd`'s prediction beside each measured L.
@@ -33,9 +36,9 @@ given, fp32 beta):
 
 Builds: the fused forward at (K, V) = (128, 128) with and without an initial state, K-first (`flashdelta warmup`'s
 defaults), and prepare_fwd, for each head config; with --bwd also state_recompute (with an initial state) and
-chunk_bwd (with dht), K-first, chunk_dstate and prepare_bwd (`flashdelta warmup --backward`'s defaults;
-`cp.builds` lists CP's own). ``--precompile`` compiles exactly the builds of the given mode and heads (on the CPU
-machine, into ``TILELANG_CACHE_DIR``) and exits:
+chunk_bwd (with dht), K-first, chunk_dstate and prepare_bwd (`flashdelta warmup --backward`'s defaults); and CP's
+own (`cp.builds`: the `chunk_skip` builds of the warm-up's M and E passes, the scan kernel). ``--precompile``
+compiles exactly the builds of the given mode and heads (on the CPU machine, into ``TILELANG_CACHE_DIR``) and exits:
 
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/fit_cp.py --bwd --precompile
 """
@@ -76,9 +79,9 @@ def _items(seqlens, L):
 
 
 def _pass_row(items, sms):
-    """The coefficients of (LAUNCH_US, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US) in `cp._pass_us` for these items:
+    """The coefficients of (LAUNCH_US, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US) in `cp_model._pass_us` for these items:
     `launch + w * (longest_chunks * (ci (1 - occ) + cf occ) + o)`, w the wave count at the fitted constants."""
-    from flashdelta import cp
+    from flashdelta import cp_model as cp
 
     n = sum(c for _, c in items)
     occ = min(1.0, n / sms)
@@ -91,9 +94,9 @@ def _pass_row(items, sms):
 
 
 def _bwd_pass_row(items, sms):
-    """The coefficients of (BWD_LAUNCH_US, BWD_CHUNK_US, BWD_ITEM_US) in `cp._bwd_pass_us` for these items:
+    """The coefficients of (BWD_LAUNCH_US, BWD_CHUNK_US, BWD_ITEM_US) in `cp_model._bwd_pass_us` for these items:
     `launch + w * (longest_chunks * c + o)`, w the wave count at the shipped constants."""
-    from flashdelta import cp
+    from flashdelta import cp_model as cp
 
     slots = sms * cp.BWD_CTAS_PER_SM
     longest_ch = max(ch for ch, cnt in items if cnt)
@@ -107,6 +110,19 @@ def _lstsq(rows, ys):
     A = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)
     return torch.linalg.lstsq(A, y[:, None]).solution[:, 0].tolist()
+
+
+def _with_env(name, value, fn):
+    """`fn()` with the environment variable `name` set to `value` (read by the call, also while a graph captures it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def _count_kernels(fn):
@@ -161,18 +177,18 @@ def main():
     if args.bwd:
         return bwd_main(args)
 
-    from flashdelta import chunk_gated_delta_rule, cp, dispatch
+    from flashdelta import chunk_gated_delta_rule, cp, cp_model
     from flashdelta.kernels import fused_fwd, prepare
 
     dev = torch.device("cuda")
     sms = cp.num_sms(dev)
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
-    bp = dispatch.plan(dev, 128, 128, torch.bfloat16, need_bwd=False)
-    pass_rows, pass_y, serial_scan, log_scan, zero_fill, table = [], [], [], [], [], []
+    pass_rows, pass_y, serial_scan, log_scan, zero_fill, windows_us, table = [], [], [], [], [], [], []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
-        f"{n}={getattr(cp, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US", "SCAN_STEP_US",
-                                          "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS")))
+        f"{n}={getattr(cp_model, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US",
+                                                "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS", "WARMUP_US",
+                                                "WARMUP_FALLBACK", "WARMUP_CHUNKS")))
     for hh in args.heads:
         H, HV = map(int, hh.split("/"))
         counted = False
@@ -188,20 +204,31 @@ def main():
                      "api_auto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
                                                                 cu_seqlens_cpu=inp.cu_host, output_final_state=True),
                      "zeros": lambda: v.new_zeros(1, T, HV, 128)}
-            plans = {}
+            plans, wins = {}, {}
             for L in args.L:
                 if L >= -(-max(seqlens) // 64):
                     continue
                 plan = plans[L] = cp.make_plan(cu, T, L)
+                win = wins[L] = cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD)
                 H0 = torch.randn(plan.P, HV, 128, 128, device=dev)
                 M = torch.randn(plan.P, HV, 128, 128, device=dev) * 0.05
                 E = torch.randn(plan.P, HV, 128, 128, device=dev)
+                I0 = torch.where(win.fallback[:, :, None, None], torch.eye(128, device=dev), 0.0)
+                zeros = v.new_zeros(1, T, HV, 128)
                 steps[f"pass_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.chunk_fwd(
                     q, k, v, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale))
                 steps[f"scan_serial_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_serial(M, E, plan, h0)
                 steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
+                # the warm-up: its decision alone, and the M and E passes over the fallback heads and the windows
+                steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
+                steps[f"pass_e_warm_L{L}"] = (lambda plan=plan, win=win: fused_fwd.chunk_fwd(
+                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e))
+                steps[f"pass_m_warm_L{L}"] = (lambda plan=plan, win=win, I0=I0, zeros=zeros: fused_fwd.chunk_fwd(
+                    q, k, zeros, g_cumsum, beta, A, I0, plan.cu, scale=inp.scale, chunk_skip=win.skip_m))
                 steps[f"api_L{L}"] = (lambda L=L: chunk_gated_delta_rule(
                     q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L))
+                steps[f"api_exact_L{L}"] = (lambda L=L: _with_env(cp.ENV_WARMUP, "off", lambda: chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L)))
             runners = {}
             for name, fn in steps.items():
                 try:
@@ -224,6 +251,18 @@ def main():
                 if f"scan_log_L{L}" in us:
                     levels = math.ceil(math.log2(plan.J)) if plan.J > 1 else 0
                     log_scan.append((levels, levels * 2.0 * plan.P * HV * 128 * 256, us[f"scan_log_L{L}"]))
+                if f"windows_L{L}" in us:
+                    windows_us.append(us[f"windows_L{L}"])
+                p = cp.predict(T=T, N=N, HV=HV, K=128, V=128, L=L, sms=sms, lengths=list(seqlens), warmup=True)
+                win = wins[L]
+                fb = win.fallback.float().mean().item()
+                print(f"  L{L}: windows {us.get(f'windows_L{L}', float('nan')):.1f} us (model {p['warmup_us']:.1f}), "
+                      f"fallback share {fb:.2f} (model {cp_model.WARMUP_FALLBACK}), mean window "
+                      f"{win.n(L)[~win.fallback & (win.n(L) > 0)].float().mean().item():.2f} chunks (model "
+                      f"{cp_model.WARMUP_CHUNKS}); E pass {us.get(f'pass_e_warm_L{L}', float('nan')):.1f} (model "
+                      f"{p['e']:.1f}), M pass {us.get(f'pass_m_warm_L{L}', float('nan')):.1f} (model {p['m']:.1f}); "
+                      f"API exact {us.get(f'api_exact_L{L}', float('nan')):.1f} warm-up "
+                      f"{us.get(f'api_L{L}', float('nan')):.1f} (model {p['cp_worst']:.1f} / {p['cp']:.1f})")
             api = {L: us[f"api_L{L}"] for L in plans if f"api_L{L}" in us}
             best_L = min(api, key=api.get) if api else 0
             best = min([us["api_off"]] + list(api.values()))
@@ -264,19 +303,21 @@ def main():
         b = sum(x for x, _ in zero_fill)
         t = sum(y for _, y in zero_fill)
         fit.update(HBM_GBPS=b / (t * 1e3))
+    if windows_us:
+        fit.update(WARMUP_US=sum(windows_us) / len(windows_us))
     print("\nfitted constants (paste into src/flashdelta/cp.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
 
     # ---- chosen vs best, with the shipped and the fitted constants
-    _chosen_vs_best(cp, fit, table, "api",
+    _chosen_vs_best(cp_model, fit, table, "api",
                     lambda r: cp.choose(T=r["T"], N=r["N"], HV=r["HV"], K=128, V=128, sms=sms, lengths=r["lengths"]))
 
 
 def _chosen_vs_best(cp, fit, table, times: str, pick, off_over_auto: bool = False) -> None:
     """The chosen-vs-best table: per row the time with CP off, the best over the measured L (``r[times]``: L -> us),
-    the L the shipped constants chose, the L `pick(r)` chooses with the fitted constants (set on `cp` for the table,
-    then restored) and its time over the best."""
+    the L the shipped constants chose, the L `pick(r)` chooses with the fitted constants (set on `cp`, the cost model
+    module `flashdelta.cp_model`, for the table, then restored) and its time over the best."""
     shipped = {n: getattr(cp, n) for n in fit if hasattr(cp, n)}
     for n in shipped:
         setattr(cp, n, fit[n])
@@ -300,7 +341,7 @@ def _chosen_vs_best(cp, fit, table, times: str, pick, off_over_auto: bool = Fals
 
 def bwd_main(args):
     from flashdelta import autograd as fda
-    from flashdelta import chunk_gated_delta_rule, cp
+    from flashdelta import chunk_gated_delta_rule, cp, cp_model
     from flashdelta.kernels import chunk_bwd as kbwd
     from flashdelta.kernels import chunk_dstate, fused_fwd, prepare
 
@@ -310,8 +351,8 @@ def bwd_main(args):
     flush = timing.L2Flush()
     bwd_rows, bwd_y, states_model, states_y, dstate_y, dstate_bwd, table = [], [], [], [], [], [], []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
-        f"{n}={getattr(cp, n)}" for n in ("BWD_CHUNK_US", "BWD_ITEM_US", "BWD_LAUNCH_US", "RECOMPUTE_FACTOR",
-                                          "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US")))
+        f"{n}={getattr(cp_model, n)}" for n in ("BWD_CHUNK_US", "BWD_ITEM_US", "BWD_LAUNCH_US", "RECOMPUTE_FACTOR",
+                                                "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US")))
     for hh in args.heads:
         H, HV = map(int, hh.split("/"))
         for sl in args.seqlens:
@@ -367,7 +408,7 @@ def bwd_main(args):
             whole = [(c, n) for c, n in _items(seqlens, 0)]
             bwd_rows.append(_bwd_pass_row([(c, n * HV) for c, n in whole], sms))
             bwd_y.append(us["bwd_pass_serial"])
-            states_model.append(cp._pass_us([(c, n * HV * 2) for c, n in whole], sms))
+            states_model.append(cp_model._pass_us([(c, n * HV * 2) for c, n in whole], sms))
             states_y.append(us["states_serial"])
             for L in plans:
                 items = _items(seqlens, L)
@@ -378,7 +419,7 @@ def bwd_main(args):
                     dstate_y.append(us[f"dstate_L{L}"])
                     dstate_bwd.append(us[f"bwd_pass_L{L}"])
                 if f"states_L{L}" in us:
-                    states_model.append(cp._pass_us([(c, n * HV * 2) for c, n in items], sms))
+                    states_model.append(cp_model._pass_us([(c, n * HV * 2) for c, n in items], sms))
                     states_y.append(us[f"states_L{L}"])
             fbt = {L: us[f"fb_L{L}"] for L in plans if f"fb_L{L}" in us}
             best = min([us["fb_off"]] + list(fbt.values()))
@@ -411,7 +452,7 @@ def bwd_main(args):
     print("\nfitted constants (paste into src/flashdelta/cp.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
-    _chosen_vs_best(cp, fit, table, "fb", lambda r: cp.choose_bwd(**r["kw"]), off_over_auto=True)
+    _chosen_vs_best(cp_model, fit, table, "fb", lambda r: cp.choose_bwd(**r["kw"]), off_over_auto=True)
 
 
 if __name__ == "__main__":

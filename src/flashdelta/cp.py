@@ -1,59 +1,80 @@
-"""Context parallelism (CP) inside one GPU: the exact forward through chunk-aligned partitions (docs/dev/cp.md).
+"""Context parallelism (CP) inside one GPU: the forward through chunk-aligned partitions (docs/dev/cp.md).
 
 One long sequence on few heads leaves most SMs idle: the recurrence is serial along the sequence and the forward
 runs one CTA per (sequence, value head, V slice). CP cuts every sequence into partitions of `L` chunks, runs them
-in parallel and gives each its exact start state (docs/algorithm.md §4.3), in three steps built on the stage
-launchers:
+in parallel and gives each its start state (exact, docs/algorithm.md §4.3, or by the gate-driven warm-up where it
+is provably harmless, §4.4), in four steps built on the stage launchers:
 
-1. **Summary passes.** The recurrence acts on each value column of the state independently (column j of S evolves
+1. **Windows** (`windows`): per partition that is not its sequence's last and value head, the shortest suffix of
+   its chunks whose summed log decay reaches the warm-up threshold (`WARMUP_THRESHOLD`, -10: the dropped part is
+   <= e^-10 of the state entering the window) where the norm bound's condition holds; heads without one (a
+   never-decaying head, g = 0) fall back to the exact path. Exact CP (no threshold): every head falls back.
+2. **Summary passes.** The recurrence acts on each value column of the state independently (column j of S evolves
    with column j of v; K, g, beta, A are shared), so `chunk_fwd` over the partitions (each run as a sequence of its
    own) gives, with values v from a zero start, each partition's end state E_p as its final state, and with zero
    values from the identity ``I`` (``[P, HV, K, K]``, K-first), its transition M_p (``S -> M_p S``). These are the two
    column blocks of one augmented run (values ``[0 | v]`` from ``[I | 0]`` ends in ``[M_p | E_p]``), launched
    apart: the kernel splits V into 64-column CTAs anyway, so the CTA work is the same, no ``[0 | v]`` copy is made
-   and no build of value width K + V is needed. Their o is discarded.
-2. **Scan** (fp32; float64 for float64 inputs): ``S_{p+1} = M_p S_p + E_p`` over each sequence's partitions, from
-   the sequence's initial state; torch ops, either serial (one step per partition index, batched over sequences)
-   or log-depth (segmented doubling over the composed pairs), whichever `scan_cost` predicts cheaper.
-3. **Output pass.** `chunk_fwd` over the partitions from those start states gives o; the last partition of each
+   and no build of value width K + V is needed. Their o is discarded. With the windows (`chunk_skip`, a start chunk
+   per (partition, head)) the E pass walks each warm-up head's window only and the M pass only the fallback heads;
+   a warm-up head's M is 0 and a sequence's last partition walks nothing (the scan reads no summary of it).
+3. **Scan** (fp32; float64 for float64 inputs): ``S_{p+1} = M_p S_p + E_p`` over each sequence's partitions, from
+   the sequence's initial state (the TileLang scan kernel on SM90, else torch ops: serial or log-depth, whichever
+   `scan_cost` predicts cheaper); on a warm-up head ``S_{p+1} = E_window``.
+4. **Output pass.** `chunk_fwd` over the partitions from those start states gives o; the last partition of each
    sequence holds its final state.
 
-The partition plan (`CPPlan`) is computed on the device from cu_seqlens into buffers whose sizes depend only on
-host information (T, N, L), so CUDA graphs capture it and replay it with new lengths within the captured shapes;
-nothing here reads device data on the host.
+The partition plan (`CPPlan`) and the windows are computed on the device from cu_seqlens and the gates into
+buffers whose sizes depend only on host information (T, N, L), so CUDA graphs capture them and replay them with new
+lengths within the captured shapes; nothing here reads device data on the host.
 
-The backward (`cp_chunk_bwd`) mirrors it on the same kind of plan: the start states as above (M, E, scan), then
-`state_recompute` over the partitions from them; `chunk_dstate` over the partitions (the dS chain of `chunk_bwd`
-from a zero end gradient) gives each partition's start gradient F_p (`_start_grads`); the reverse scan
-``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
-end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG exact for the whole sequences and the
-sequences' dh0 (their first partitions'). The gate-driven warm-up (docs/algorithm.md §4.4) is not implemented.
+The backward (`cp_chunk_bwd`) mirrors the exact path on the same kind of plan: the start states as above (M, E,
+scan; exact for every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the
+partitions (the dS chain of `chunk_bwd` from a zero end gradient) gives each partition's start gradient F_p
+(`_start_grads`); the reverse scan ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht
+(`scan_grads`) gives every partition's end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG
+exact for the whole sequences and the sequences' dh0 (their first partitions'). The backward's warm-up mirror
+(docs/algorithm.md §4.4) needs a start-chunk limit in chunk_dstate and is not implemented.
 
-The decision (`decide`): `context_parallel` argument, else ``FLASHDELTA_CP``, else the cost models (`predict` for
-the forward, `predict_bwd` for the backward) on the native backend. One code carries both passes' partition
-lengths (`encode`): the forward op takes it as an input and hands it to the backward through autograd's context,
-so the backward splits by the decision taken at the call (host lengths), never by reading device data. The states
-in the CP path are always K-first (``[.., K, V]``); a V-first caller's initial and final states and their
-gradients (N of them) are transposed at the boundary.
+The decision (`decide`): `context_parallel` argument, else ``FLASHDELTA_CP``, else the cost models
+(`cp_model.predict` for the forward, with or without the warm-up; `cp_model.predict_bwd` for the backward) on the
+native backend. One code carries both passes' partition lengths (`encode`): the forward op takes it as an input and
+hands it to the backward through autograd's context, so the backward splits by the decision taken at the call (host
+lengths), never by reading device data. The warm-up request travels in the plan (`make_plan(warmup=...)`, else
+``FLASHDELTA_CP_WARMUP``; `auto`: on for bf16 / fp16 inputs, `warmup_threshold`). The states in the CP path are
+always K-first (``[.., K, V]``); a V-first caller's initial and final states and their gradients (N of them) are
+transposed at the boundary.
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "bounds", "builds", "choose", "choose_bwd", "cp_chunk_bwd",
-           "cp_chunk_fwd", "decide", "decode", "encode", "make_plan", "num_sms", "parse_request", "predict",
-           "predict_bwd", "resolve_code", "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states",
-           "summaries", "supported", "supported_bwd"]
+from . import cp_model
+from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ_CHUNKS,  # noqa: F401 - re-exported
+                       MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
+                       choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold)
+
+__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "Windows", "bounds", "builds", "choose", "choose_bwd",
+           "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode", "make_plan", "num_sms", "parse_request",
+           "parse_warmup", "predict", "predict_bwd", "resolve_code", "scan_cost", "scan_grads", "scan_log",
+           "scan_serial", "scan_states", "summaries", "supported", "supported_bwd", "warmup_threshold", "windows"]
 
 Tensor = torch.Tensor
 
 ENV_CP = "FLASHDELTA_CP"
-BT = 64                         # chunk size of every stage
+BT = cp_model.BT                # chunk size of every stage
+# a chunk_skip past any partition's end: the CTA walks no chunk (its final state is its initial state)
+SKIP_ALL = 1 << 30
+# b ||k||^2 of every token of a warm-up window must lie in [0, CONTRACTION_LIMIT]: then each factor I - b k k^T of
+# the window's transition has norm <= 1 and ||M_w|| <= exp(summed log decay) (docs/algorithm.md §4.2)
+CONTRACTION_LIMIT = 2.0
+# ||k||^2 of an l2-normalised key rounded to bf16 (each element within 2^-9 relative: (1 + 2^-9)^2 < 1.004), the
+# bound `windows(keys_normalized=True)` takes instead of reading k
+NORMALIZED_KEY_NORM2 = 1.004
 
 # Codes `decide` hands the forward op (`autograd`), which hands them to the backward op: ``encode(L_fwd, L_bwd)``
 # (each 0 for serial or a partition length in chunks), or (where the decision is taken inside a traced graph, with
@@ -61,41 +82,6 @@ BT = 64                         # chunk size of every stage
 CP_AUTO = -1                    # the cost models, from shapes alone
 CP_ON = -2                      # CP with each cost model's best L, from shapes alone
 _BWD = 1 << 24                  # code = L_fwd + _BWD * L_bwd; partition lengths stay below it
-
-# ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
-# them. The fused forward takes `items x (chunks x c + o)` on the busiest SM; the values are bench/dev/fit_cp.py's
-# least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128).
-CHUNK_US_FULL = 1.45            # per chunk and CTA, every SM busy
-CHUNK_US_IDLE = 1.29            # per chunk and CTA, few CTAs (higher clock)
-ITEM_US = 5.2                   # per CTA: start, pipeline fill, drain
-LAUNCH_US = 5.2                 # per fused launch, fixed
-SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
-SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
-SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
-SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
-SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
-HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
-MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
-# auto: no split of a forward whose longest sequence has fewer chunks; at 2/8 1x8192 (128 chunks) the model's L = 16
-# measured 2.5% slower than serial on the H200 (fixed costs of the three passes), at 2/8 1x32768 L = 64 1.66x faster
-MIN_SEQ_CHUNKS = 256
-CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the model tries
-
-# ---- backward (`predict_bwd`). chunk_bwd runs one CTA per (sequence or partition, value head) with all of V and
-# ~220 KB of shared memory (one CTA per SM), latency-bound: the same time per chunk at any occupancy
-# (docs/dev/chunk_bwd.md). state_recompute is the fused forward with its state output on. The values are
-# bench/dev/fit_cp.py --bwd's fit on the H200 (16/32 and 2/8 at 1x8192, partition lengths 4-64).
-BWD_CHUNK_US = 18.3             # chunk_bwd per chunk and CTA, any occupancy
-BWD_ITEM_US = 7.9               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store
-BWD_LAUNCH_US = 8.3             # chunk_bwd per launch, fixed
-BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
-RECOMPUTE_FACTOR = 1.36         # state_recompute's time over the forward pass model's
-START_GRAD_FACTOR = 0.26        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states
-BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
-MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
-# the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave
-CANDIDATE_L_BWD = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
 
 # ------------------------------------------------------------------------------------------------ request
 
@@ -169,159 +155,6 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# ------------------------------------------------------------------------------------------------ cost model
-
-def _launch_us(items: list, slots: int, idle: float, full: float, item: float, launch: float) -> float:
-    """One launch over `items` = [(chunks, count)] CTAs on `slots` resident CTAs: ``ceil(work / (slots x
-    longest)) x longest`` (exact for equal items, at most one longest item pessimistic otherwise), the per-chunk
-    time interpolated between `idle` (few CTAs) and `full` (every slot busy)."""
-    n = sum(c for _, c in items)
-    if n == 0:
-        return launch
-    c = idle + (full - idle) * min(1.0, n / slots)
-    longest = max(ch for ch, cnt in items if cnt) * c + item
-    work = sum(cnt * (ch * c + item) for ch, cnt in items)
-    return launch + math.ceil(work / (slots * longest) - 1e-9) * longest
-
-
-def _pass_us(items: list, sms: int) -> float:
-    """One fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us`, one CTA per SM at a time)."""
-    return _launch_us(items, sms, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US, LAUNCH_US)
-
-
-def _bwd_pass_us(items: list, sms: int) -> float:
-    """One chunk_bwd launch over `items` = [(chunks, count)] CTAs (one per (sequence or partition, value head))."""
-    return _launch_us(items, sms * BWD_CTAS_PER_SM, BWD_CHUNK_US, BWD_CHUNK_US, BWD_ITEM_US, BWD_LAUNCH_US)
-
-
-def _parts(chunks: list, L: int) -> dict:
-    """{chunks: count} of the partitions of sequences of `chunks` chunks cut every L chunks."""
-    parts = {}
-    for c in chunks:
-        full, rem = divmod(c, L)
-        if full:
-            parts[L] = parts.get(L, 0) + full
-        if rem or c == 0:
-            parts[rem] = parts.get(rem, 0) + 1
-    return parts
-
-
-def bounds(T: int, N: int, L: int, seq_len: Optional[int] = None) -> tuple:
-    """(P, J): partition slots and scan steps for L-chunk partitions, from host information only. Dense input
-    (`seq_len`: every sequence has that many tokens): exact. Varlen: ``P = N + T // (64 L)`` bounds
-    ``sum max(1, ceil(len_n / (64 L)))`` and ``J = ceil(T / (64 L))`` bounds the partitions of one sequence."""
-    W = L * BT
-    if seq_len is not None:
-        J = max(1, -(-seq_len // W))
-        return N * J, J
-    return N + T // W, max(1, -(-T // W))
-
-
-def _kernel_step_us(N: int, HV: int, V: int) -> float:
-    """One step of the scan kernel: its V tile (`kernels.cp_scan.choose_bv`'s rule) sets the FMAs per step."""
-    return SCAN_KERNEL_STEP_US * (1.0 if V % 32 or N * HV * (V // 16) <= 132 else 5.0 / 3.0)
-
-
-def scan_cost(P: int, J: int, HV: int, K: int, V: int, *, kernel: bool = False, N: int = 1) -> tuple:
-    """(microseconds, method) of the cheapest scan: ``"kernel"`` (with `kernel`: the TileLang scan, J - 1 steps in
-    one launch over N sequences), ``"serial"`` (J steps) or ``"log"`` (ceil(log2 J) levels of batched
-    [K, K] x [K, K + V] GEMMs over every partition)."""
-    if kernel:
-        return SCAN_KERNEL_US + max(J - 1, 0) * _kernel_step_us(N, HV, V), "kernel"
-    serial = J * SCAN_STEP_US
-    levels = max(0, math.ceil(math.log2(J))) if J > 1 else 0
-    log = levels * (SCAN_LEVEL_US + 2.0 * P * HV * K * K * (K + V) / (SCAN_TFLOPS * 1e6))
-    return (serial, "serial") if serial <= log else (log, "log")
-
-
-def _seq_chunks(T: int, N: int, lengths) -> list:
-    """Chunks per sequence: from the host lengths, else N equal sequences of T / N tokens (the case where a
-    split gains least, so the decision stays conservative)."""
-    if lengths is not None:
-        return [-(-int(n) // BT) for n in lengths]
-    return [-(-(T // max(N, 1)) // BT)] * N
-
-
-def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
-            seq_len: Optional[int] = None) -> dict:
-    """Predicted microseconds of the serial forward's fused pass and of CP's passes with L-chunk partitions."""
-    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
-    NV, NK = max(1, V // 64), max(1, K // 64)
-    serial = _pass_us([(c, HV * NV) for c in chunks], sms)
-    parts = _parts(chunks, L)
-    P, J = bounds(T, N, L, seq_len)
-    m = _pass_us([(ch, n * HV * NK) for ch, n in parts.items()], sms)
-    e = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
-    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
-    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
-    return dict(serial=serial, cp=m + 2 * e + scan_us + zeros, m=m, e=e, out=e, scan=scan_us, scan_method=scan,
-                zeros=zeros, P=P, J=J)
-
-
-def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
-                seq_len: Optional[int] = None) -> dict:
-    """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
-    whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
-    partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
-    chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
-    way and are left out."""
-    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
-    NV, NK = max(1, V // 64), max(1, K // 64)
-    whole = [(c, 1) for c in chunks]
-    serial_states = RECOMPUTE_FACTOR * _pass_us([(c, n * HV * NV) for c, n in whole], sms)
-    serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
-    parts = _parts(chunks, L).items()
-    P, J = bounds(T, N, L, seq_len)
-    m = _pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
-    e = _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
-    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
-    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
-    states = RECOMPUTE_FACTOR * e
-    bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
-    start = START_GRAD_FACTOR * bwd
-    cp_us = m + e + zeros + 2 * scan_us + states + start + bwd + BWD_FIXED_US
-    return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd, cp=cp_us,
-                m=m, e=e, zeros=zeros, scan=scan_us, scan_method=scan, states=states, start=start, bwd=bwd, P=P, J=J)
-
-
-def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
-          seq_len: Optional[int], force: bool) -> int:
-    """The L among `candidates` that `model` (`predict` / `predict_bwd`) predicts fastest, or 0 (serial) where
-    it is not below MARGIN x the serial time or the longest sequence has fewer than `min_chunks` chunks (unless
-    `force`: then 0 only when no sequence is long enough to cut)."""
-    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
-    longest = max(chunks, default=0)
-    best, best_us, serial = 0, math.inf, None
-    for L in candidates:
-        if L >= longest:
-            break
-        p = model(T=T, N=N, HV=HV, K=K, V=V, L=L, sms=sms, lengths=lengths, seq_len=seq_len)
-        serial = p["serial"]
-        if p["cp"] < best_us:
-            best, best_us = L, p["cp"]
-    if best == 0 or force:
-        return best
-    if longest < min_chunks or best_us >= MARGIN * serial:
-        return 0
-    return best
-
-
-def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-               force: bool = False) -> int:
-    """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
-    as in `choose`."""
-    return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
-                 lengths=lengths, seq_len=seq_len, force=force)
-
-
-def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-           force: bool = False) -> int:
-    """The partition length (chunks) the cost model picks, or 0 (serial). `force`: the best L even where the
-    model prefers the serial path (0 only when no sequence is long enough to cut)."""
-    return _best(predict, CANDIDATE_L, MIN_SEQ_CHUNKS, T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths,
-                 seq_len=seq_len, force=force)
-
-
 def _native(kset, device: torch.device) -> bool:
     return device.type == "cuda" and kset.name != "torch"
 
@@ -355,7 +188,7 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
         return 0
     kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
               seq_len=None if varlen else T, force=force)
-    fwd = choose(**kw)
+    fwd = choose(**kw, warmup=warmup_threshold(parse_warmup(None), dtype) is not None)
     bwd = choose_bwd(**kw) if force or supported_bwd(kset, K, V, dtype) else 0
     return encode(fwd, bwd)
 
@@ -375,7 +208,7 @@ def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B
         return 0
     kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T, force=force)
     if not backward:
-        return choose(**kw)
+        return choose(**kw, warmup=warmup_threshold(parse_warmup(None), dtype) is not None)
     if not force and not (bwd_kset is not None and _native(bwd_kset, device) and supported_bwd(bwd_kset, K, V, dtype)):
         return 0
     return choose_bwd(**kw)
@@ -392,7 +225,9 @@ class CPPlan(NamedTuple):
     the last partition are empty, at ``cu_seqlens[N]``), ``seq [P]`` int64 each slot's sequence (clamped to N - 1
     on unused slots), ``pos [P]`` int64 its index within the sequence (0 on unused slots), ``first [P]`` bool
     (starts its sequence, or unused), ``last_index [N]`` int64 each sequence's last partition, ``step_index [J, N]``
-    int64 partition j of sequence n, or P where it has none (the scan's padding slot).
+    int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the forward's
+    warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call by
+    `warmup_threshold` from q's dtype.
     """
     L: int
     P: int
@@ -405,13 +240,16 @@ class CPPlan(NamedTuple):
     first: Tensor
     last_index: Tensor
     step_index: Tensor
+    warmup: object = "auto"
 
 
-def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None,
-              chunk_size: int = BT) -> CPPlan:
+def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None, chunk_size: int = BT,
+              warmup=None) -> CPPlan:
     """Cut every sequence into partitions of L chunks (the last takes the remainder; an empty sequence gives one
     empty partition), as `reference.cp.partition` does, on cu_seqlens' device with torch ops only (no host
-    synchronisation). `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long)."""
+    synchronisation). `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`:
+    the forward's warm-up request (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default auto)."""
+    warmup = parse_warmup(warmup)
     if L < 1:
         raise ValueError(f"L: partitions need >= 1 chunk, got {L}")
     if chunk_size != BT:
@@ -438,7 +276,7 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     steps = torch.arange(J, device=dev)[:, None]
     step_index = torch.where(steps < nparts[None, :], pstart[None, :] + steps, P)
     return CPPlan(L=int(L), P=P, J=J, N=N, regular=seq_len is not None, cu=part_cu, seq=seq, pos=pos, first=first,
-                  last_index=last_index, step_index=step_index)
+                  last_index=last_index, step_index=step_index, warmup=warmup)
 
 
 # ------------------------------------------------------------------------------------------------ scan
@@ -510,11 +348,6 @@ def scan_log(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor]) -> Tensor
     return torch.where(plan.first[:, None, None, None], start, prev)
 
 
-def _kernel_dims(K: int, V: int) -> bool:
-    """Whether the scan kernel's head dims include (K, V) (K in (64, 128), V a multiple of 16 up to 1024)."""
-    return K in (64, 128) and V % 16 == 0 and V <= 1024
-
-
 def _kernel_scan(x: Tensor, kset) -> bool:
     """Whether the TileLang scan (`kernels.cp_scan`) runs a scan over `x` ``[P, HV, K, V]`` for a call whose
     chunk_fwd runs on `kset`: fp32, the SM90 kernel set, head dims it takes. Elsewhere (the portable path, CPU,
@@ -547,35 +380,127 @@ def scan_states(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor], method
 
 # ------------------------------------------------------------------------------------------------ forward
 
-def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd, state_dtype) -> tuple:
+class Windows(NamedTuple):
+    """The forward's warm-up decision (`windows`), per partition slot and value head (``[P, HV]``, on the device):
+    ``skip_e`` / ``skip_m`` int32, the E and M passes' `chunk_skip` (`SKIP_ALL`: no chunk); ``fallback`` bool, the
+    heads on the exact path (``S_{p+1} = M_p S_p + E_p``; the M pass walks only these); ``suffix`` (None on the
+    exact path) float64 ``[P, L, HV]``, the summed G_last of each partition's last j + 1 chunks (j = 0: the last
+    chunk; read only on partitions that are not their sequence's last, which have L chunks). Host: ``threshold``
+    (None: the exact path for every head). `n` and `log_decay` give the window lengths and the bound's exponents."""
+    skip_e: Tensor
+    skip_m: Tensor
+    fallback: Tensor
+    suffix: Optional[Tensor]
+    threshold: Optional[float]
+
+    def n(self, L: int) -> Tensor:
+        """``[P, HV]`` int64: the chunks the E pass walks (the window; L on fallback heads; 0 where it walks none)."""
+        return torch.where(self.skip_e < SKIP_ALL, L - self.skip_e.to(torch.int64), 0)
+
+    def log_decay(self, L: int) -> Tensor:
+        """``[P, HV]`` float64: the summed G_last of the chunks the E pass walks (0 where it walks none): a warm-up
+        head's dropped part is <= exp(this) x the state entering its window (docs/algorithm.md §4.4)."""
+        n = self.n(L)
+        return torch.where(n > 0, self.suffix.gather(1, torch.clamp_min(n - 1, 0)[:, None]).squeeze(1), 0.0)
+
+
+def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
+            keys_normalized: bool = False) -> Windows:
+    """Per partition (not its sequence's last) and value head, the shortest suffix of its chunks whose summed log
+    decay (the chunks' G_last from `g_cumsum`, added from the last chunk back) is ``<= threshold``, where every
+    token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's condition, docs/algorithm.md
+    §4.2): the E pass walks only that suffix from zero and the head's M is 0, so the scan gives ``S_{p+1} =
+    E_window``. A head without such a suffix falls back to the exact path (E and M over the whole partition). A
+    sequence's last partition needs neither (the scan reads no summary of it): both passes skip all of it.
+    `threshold` None: every head falls back (the exact path); neither the gates nor the keys are read.
+    `keys_normalized`: the caller l2-normalised k (``||k||^2 <= NORMALIZED_KEY_NORM2`` in bf16), so only beta is
+    read for the condition.
+
+    On the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens: partitions that are
+    not their sequence's last have exactly L full chunks): no host synchronisation, so CUDA graphs capture it and
+    replay it with new lengths; ~24 small kernels with `keys_normalized`, ~28 without (the key norms: one read of k).
+    """
+    dev = g_cumsum.device
+    T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
+    P, L = plan.P, plan.L
+    inner = ~plan.first.roll(-1)[:, None]                 # [P, 1]: slot p + 1 continues p's sequence (0 starts one)
+    none = torch.full((P, HV), SKIP_ALL, dtype=torch.int32, device=dev)
+    walk = torch.where(inner, 0, none)                    # the exact path: every chunk of inner partitions
+    if threshold is None or T == 0:
+        fb = inner.expand(P, HV)
+        return Windows(skip_e=walk, skip_m=walk, fallback=fb, suffix=None, threshold=None)
+    # the partition's tokens, last first: chunk L - 1 - j's last token at [p, 64 j]; one gather serves the gates
+    # (G_last along j, summed by one cumsum: suffix sums) and the contraction condition (every token)
+    toks = torch.clamp_max(plan.cu[:-1, None] + torch.arange(L * BT - 1, -1, -1, device=dev), T - 1).view(-1)
+    G = g_cumsum[0].index_select(0, toks).view(P, L, BT, HV)[:, :, 0]
+    suffix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
+    ok = suffix <= threshold
+    b = beta[0].index_select(0, toks)                                                            # [P L 64, HV]
+    limit = CONTRACTION_LIMIT
+    if keys_normalized:
+        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
+    else:
+        H = k.shape[2]
+        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
+        nk = nk.index_select(0, toks)
+        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
+    lo, hi = torch.aminmax(b.view(P, L * BT, HV), dim=1)
+    any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
+    reach = (any_ok > 0) & (lo >= 0) & (hi <= limit) & inner                                   # NaN: no
+    fallback = inner ^ reach
+    skip_e = torch.where(reach, (L - 1 - first).to(torch.int32), walk)
+    return Windows(skip_e=skip_e, skip_m=torch.where(fallback, 0, none), fallback=fallback, suffix=suffix,
+                   threshold=float(threshold))
+
+
+def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd, state_dtype,
+              windows: Optional[Windows] = None) -> tuple:
     """``(M [P, HV, K, K], E [P, HV, K, V])`` (K-first) of every partition, by two `chunk_fwd` launches over the
-    partitions: zero values from the identity (M), v from zero (E). Their o is discarded."""
+    partitions: zero values from the identity (M), v from zero (E). Their o is discarded.
+
+    With `windows` (`windows`): the E pass walks each head's window (its `chunk_skip`), the M pass only the
+    fallback heads, from the identity; the other heads' M is 0 (their initial state, no chunk walked) and a
+    sequence's last partition has E = M = 0, so `scan_states` gives the warm-up's start states."""
     T, HV = v.shape[1], v.shape[2]
     K = k.shape[-1]
-    eye = torch.eye(K, dtype=state_dtype, device=v.device).expand(plan.P, HV, K, K).contiguous()
-    _, M = chunk_fwd(q, k, v.new_zeros(1, T, HV, K), g_cumsum, beta, A, eye, plan.cu, scale=scale,
-                     state_v_first=False)
-    _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
+    eye = torch.eye(K, dtype=state_dtype, device=v.device)
+    zeros = v.new_zeros(1, T, HV, K)
+    if windows is None:
+        _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
+                         scale=scale, state_v_first=False)
+        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
+        return M, E
+    start = torch.where(windows.fallback[:, :, None, None], eye, eye.new_zeros(()))               # [P, HV, K, K]
+    _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
+                     chunk_skip=windows.skip_m)
+    _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
+                     chunk_skip=windows.skip_e)
     return M, E
 
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None):
+                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False):
     """The `chunk_fwd` stage (docs/stages.md) through the partitions of `plan` (`make_plan` of the same
-    cu_seqlens), exact: ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``.
+    cu_seqlens): ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``, exact, or with the gate-driven
+    warm-up where `plan.warmup` asks for it at q's dtype (`warmup_threshold`): heads whose window reaches the
+    threshold take their start state from it (error <= exp(threshold) x the state entering the window,
+    docs/algorithm.md §4.4), the others the exact path.
 
     `backends`: the call's `dispatch.Plan`; every launch goes to its chunk_fwd launcher, which must run the value
-    widths V and K (`supported`). beta and the initial state as that launcher takes them. States are fp32 (float64
-    for float64 q). `scan`: ``"serial"``, ``"log"`` or None (`scan_cost`'s choice). Launches: three `chunk_fwd`
-    (M, E, output), the zero values, the identity, the scan (`scan_serial`: J - 1 batched GEMMs for one dense
-    sequence; varlen: about four small kernels per step), the final-state gather.
+    widths V and K (`supported`) and take `chunk_skip`. beta and the initial state as that launcher takes them.
+    States are fp32 (float64 for float64 q). `scan`: ``"serial"``, ``"log"`` or None (`scan_cost`'s choice).
+    `keys_normalized`: k is l2-normalised (the API's ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads
+    beta only (`windows`). Launches: the windows' small kernels (`windows`), three `chunk_fwd` (M over the fallback
+    heads, E over the windows, output), the zero values, the identity, the scan (`scan_serial`: J - 1 batched GEMMs
+    for one dense sequence; varlen: about four small kernels per step), the final-state gather.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     launch = backends.fn("chunk_fwd")
     sd = backends.kset("chunk_fwd").param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd)
+    win = windows(g_cumsum, k, beta, plan, warmup_threshold(plan.warmup, q.dtype), keys_normalized=keys_normalized)
+    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd, windows=win)
     h0 = initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
@@ -705,21 +630,29 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
 
 def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float, *,
            backward: bool = False) -> list:
-    """(label, builder, args) of the SM90 builds CP launches: the fused forward at value width V without an initial
-    state (E pass) and with an fp32 one (output pass), width K with one (M pass), all K-first; with `backward`,
-    also the backward's state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate, where
-    chunk_bwd supports (K, V). At K = V these are the serial passes' default K-first builds (`flashdelta warmup`
-    compiles them); a V-first caller's serial path uses its own V-first builds, CP these. The scan kernel's builds
-    (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where it takes (K, V)."""
+    """(label, builder, args) of the SM90 builds CP launches, each once: the forward's E pass (the fused forward at
+    value width V without an initial state, with `chunk_skip`), its output pass (width V with an fp32 initial
+    state, the serial pass's build at K = V) and its M pass (width K with one, with `chunk_skip`), all K-first; with
+    `backward`, also the backward's summary passes (widths V and K without `chunk_skip`), its state_recompute (fp32
+    start states), chunk_bwd (with dht), K-first, and chunk_dstate, where chunk_bwd supports (K, V). A V-first
+    caller's serial path uses its own V-first builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with
+    and without h0 / dht, both V tiles) where it takes (K, V)."""
     from .kernels import chunk_bwd, chunk_dstate, cp_scan, fused_fwd  # noqa: PLC0415 - TileLang only where listed
 
-    todo = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False, True))
-    if K != V:
-        todo += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+    fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
+    todo = fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
+    if backward:
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,))
+        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
     if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)
         todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS)
-    return [(f"cp {label}", b, args) for label, b, args in todo]
+    out = {}
+    for label, b, args in todo:
+        out.setdefault((b.__name__, args), (f"cp {label}", b, args))
+    return list(out.values())

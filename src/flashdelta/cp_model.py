@@ -1,0 +1,299 @@
+"""Context parallelism's cost model (docs/dev/cp.md, "Cost model"): predicted H200 times of the serial forward and
+backward and of their CP passes, the partition length each pass picks (`choose`, `choose_bwd`), and the warm-up
+request the model and the plan share (`parse_warmup`, `warmup_threshold`).
+
+The constants are microseconds on an H200 (132 SMs, bf16, K = V = 128), fitted by ``bench/dev/fit_cp.py`` (the
+forward's launch, chunk, item and scan constants; ``--bwd`` the backward's). `flashdelta.cp` re-exports every public
+name here; set a constant on this module (as fit_cp.py does) to change what the model predicts.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+BT = 64                         # chunk size of every stage
+
+# ---- the gate-driven warm-up (docs/algorithm.md §4.4), shared by the plan (`flashdelta.cp`) and the model
+ENV_WARMUP = "FLASHDELTA_CP_WARMUP"
+# a window's summed log decay must reach this: the dropped part is <= e^-10 = 4.5e-5 of the state entering it,
+# ~1/86 of bf16's unit roundoff (2^-8) and ~1/1000 of the bf16 tolerances (docs/numerics.md)
+WARMUP_THRESHOLD = -10.0
+# `auto` warms up where q is one of these (the SM90 kernels' inputs, rounded to 2^-8 or 2^-11 already); fp32 and
+# float64 calls ask for more than a truncation at e^-10 gives and stay exact unless the request says otherwise
+WARMUP_DTYPES = (torch.bfloat16, torch.float16)
+
+# ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
+# them. The fused forward takes `items x (chunks x c + o)` on the busiest SM; the values are bench/dev/fit_cp.py's
+# least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128).
+CHUNK_US_FULL = 1.45            # per chunk and CTA, every SM busy
+CHUNK_US_IDLE = 1.29            # per chunk and CTA, few CTAs (higher clock)
+ITEM_US = 5.2                   # per CTA: start, pipeline fill, drain
+LAUNCH_US = 5.2                 # per fused launch, fixed
+SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
+SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
+SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
+SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
+SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
+HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
+MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
+# with the warm-up the expected CP time assumes this share of the value heads falls back to the exact path (whole
+# partitions in the M and E passes: the benchmark gates' g = 0 heads) and the rest needs WARMUP_CHUNKS chunks (-3.2
+# per chunk under the benchmark gates: 4 chunks to -10); the split must also not be slower than serial where every
+# head falls back (`cp_worst`, the exact path's time): the decision knows no gate before the call
+WARMUP_FALLBACK = 0.25
+WARMUP_CHUNKS = 4
+WARMUP_US = 12.0                # the windows' small kernels: key norms (one read of k), gathers, cumsums (a guess)
+WORST_MARGIN = 1.0              # split only where `cp_worst` is at most this x the serial time
+# auto: no split of a forward whose longest sequence has fewer chunks; at 2/8 1x8192 (128 chunks) the model's L = 16
+# measured 2.5% slower than serial on the H200 (fixed costs of the three passes), at 2/8 1x32768 L = 64 1.66x faster
+MIN_SEQ_CHUNKS = 256
+CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the model tries
+
+# ---- backward (`predict_bwd`). chunk_bwd runs one CTA per (sequence or partition, value head) with all of V and
+# ~220 KB of shared memory (one CTA per SM), latency-bound: the same time per chunk at any occupancy
+# (docs/dev/chunk_bwd.md). state_recompute is the fused forward with its state output on. The values are
+# bench/dev/fit_cp.py --bwd's fit on the H200 (16/32 and 2/8 at 1x8192, partition lengths 4-64).
+BWD_CHUNK_US = 18.3             # chunk_bwd per chunk and CTA, any occupancy
+BWD_ITEM_US = 7.9               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store
+BWD_LAUNCH_US = 8.3             # chunk_bwd per launch, fixed
+BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
+RECOMPUTE_FACTOR = 1.36         # state_recompute's time over the forward pass model's
+START_GRAD_FACTOR = 0.26        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states
+BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
+MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
+# the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave
+CANDIDATE_L_BWD = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+
+def _launch_us(items: list, slots: int, idle: float, full: float, item: float, launch: float) -> float:
+    """One launch over `items` = [(chunks, count)] CTAs on `slots` resident CTAs: ``ceil(work / (slots x
+    longest)) x longest`` (exact for equal items, at most one longest item pessimistic otherwise), the per-chunk
+    time interpolated between `idle` (few CTAs) and `full` (every slot busy)."""
+    n = sum(c for _, c in items)
+    if n == 0:
+        return launch
+    c = idle + (full - idle) * min(1.0, n / slots)
+    longest = max(ch for ch, cnt in items if cnt) * c + item
+    work = sum(cnt * (ch * c + item) for ch, cnt in items)
+    return launch + math.ceil(work / (slots * longest) - 1e-9) * longest
+
+
+def _pass_us(items: list, sms: int) -> float:
+    """One fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us`, one CTA per SM at a time)."""
+    return _launch_us(items, sms, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US, LAUNCH_US)
+
+
+def _bwd_pass_us(items: list, sms: int) -> float:
+    """One chunk_bwd launch over `items` = [(chunks, count)] CTAs (one per (sequence or partition, value head))."""
+    return _launch_us(items, sms * BWD_CTAS_PER_SM, BWD_CHUNK_US, BWD_CHUNK_US, BWD_ITEM_US, BWD_LAUNCH_US)
+
+
+def _parts(chunks: list, L: int) -> dict:
+    """{chunks: count} of the partitions of sequences of `chunks` chunks cut every L chunks."""
+    parts = {}
+    for c in chunks:
+        full, rem = divmod(c, L)
+        if full:
+            parts[L] = parts.get(L, 0) + full
+        if rem or c == 0:
+            parts[rem] = parts.get(rem, 0) + 1
+    return parts
+
+
+def bounds(T: int, N: int, L: int, seq_len: Optional[int] = None) -> tuple:
+    """(P, J): partition slots and scan steps for L-chunk partitions, from host information only. Dense input
+    (`seq_len`: every sequence has that many tokens): exact. Varlen: ``P = N + T // (64 L)`` bounds
+    ``sum max(1, ceil(len_n / (64 L)))`` and ``J = ceil(T / (64 L))`` bounds the partitions of one sequence."""
+    W = L * BT
+    if seq_len is not None:
+        J = max(1, -(-seq_len // W))
+        return N * J, J
+    return N + T // W, max(1, -(-T // W))
+
+
+def _kernel_step_us(N: int, HV: int, V: int) -> float:
+    """One step of the scan kernel: its V tile (`kernels.cp_scan.choose_bv`'s rule) sets the FMAs per step."""
+    return SCAN_KERNEL_STEP_US * (1.0 if V % 32 or N * HV * (V // 16) <= 132 else 5.0 / 3.0)
+
+
+def scan_cost(P: int, J: int, HV: int, K: int, V: int, *, kernel: bool = False, N: int = 1) -> tuple:
+    """(microseconds, method) of the cheapest scan: ``"kernel"`` (with `kernel`: the TileLang scan, J - 1 steps in
+    one launch over N sequences), ``"serial"`` (J steps) or ``"log"`` (ceil(log2 J) levels of batched
+    [K, K] x [K, K + V] GEMMs over every partition)."""
+    if kernel:
+        return SCAN_KERNEL_US + max(J - 1, 0) * _kernel_step_us(N, HV, V), "kernel"
+    serial = J * SCAN_STEP_US
+    levels = max(0, math.ceil(math.log2(J))) if J > 1 else 0
+    log = levels * (SCAN_LEVEL_US + 2.0 * P * HV * K * K * (K + V) / (SCAN_TFLOPS * 1e6))
+    return (serial, "serial") if serial <= log else (log, "log")
+
+
+def _seq_chunks(T: int, N: int, lengths) -> list:
+    """Chunks per sequence: from the host lengths, else N equal sequences of T / N tokens (the case where a
+    split gains least, so the decision stays conservative)."""
+    if lengths is not None:
+        return [-(-int(n) // BT) for n in lengths]
+    return [-(-(T // max(N, 1)) // BT)] * N
+
+
+def _inner(chunks: list, L: int) -> int:
+    """How many partitions of sequences of `chunks` chunks cut every L chunks are not their sequence's last (each
+    of L chunks): the ones whose end state and transition the scan reads."""
+    return sum(max(0, -(-c // L) - 1) for c in chunks)
+
+
+def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
+            seq_len: Optional[int] = None, warmup: Optional[bool] = None) -> dict:
+    """Predicted microseconds of the serial forward's fused pass and of CP's passes with L-chunk partitions.
+
+    The M and E passes walk only partitions that are not their sequence's last (the scan reads no other; the others'
+    CTAs exit at once). `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs, `warmup_threshold`): ``cp`` is
+    the expected time with `WARMUP_FALLBACK` of the heads on the exact path and the rest walking `WARMUP_CHUNKS` in
+    the E pass (none in the M pass), plus `WARMUP_US`; ``cp_worst`` the same launches where every head falls back.
+    Without the warm-up both are the exact path's time."""
+    if warmup is None:
+        warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
+    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
+    NV, NK = max(1, V // 64), max(1, K // 64)
+    serial = _pass_us([(c, HV * NV) for c in chunks], sms)
+    parts = _parts(chunks, L)
+    inner = _inner(chunks, L)
+    P, J = bounds(T, N, L, seq_len)
+    m_all = _pass_us([(L, inner * HV * NK)], sms)
+    e_all = _pass_us([(L, inner * HV * NV)], sms)
+    out = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
+    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
+    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
+    m, e, fixed = m_all, e_all, 0.0
+    if warmup:
+        hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))      # fallback heads
+        m = _pass_us([(L, inner * hf * NK)], sms)
+        e = _pass_us([(L, inner * hf * NV), (min(WARMUP_CHUNKS, L), inner * (HV - hf) * NV)], sms)
+        fixed = WARMUP_US
+    rest = out + scan_us + zeros + fixed
+    return dict(serial=serial, cp=m + e + rest, cp_worst=m_all + e_all + rest, m=m, e=e, out=out, scan=scan_us,
+                scan_method=scan, zeros=zeros, warmup_us=fixed, P=P, J=J)
+
+
+def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
+                seq_len: Optional[int] = None) -> dict:
+    """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
+    whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
+    partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
+    chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
+    way and are left out."""
+    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
+    NV, NK = max(1, V // 64), max(1, K // 64)
+    whole = [(c, 1) for c in chunks]
+    serial_states = RECOMPUTE_FACTOR * _pass_us([(c, n * HV * NV) for c, n in whole], sms)
+    serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
+    parts = _parts(chunks, L).items()
+    P, J = bounds(T, N, L, seq_len)
+    m = _pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
+    e = _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
+    scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
+    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
+    states = RECOMPUTE_FACTOR * e
+    bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
+    start = START_GRAD_FACTOR * bwd
+    cp_us = m + e + zeros + 2 * scan_us + states + start + bwd + BWD_FIXED_US
+    return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd, cp=cp_us,
+                m=m, e=e, zeros=zeros, scan=scan_us, scan_method=scan, states=states, start=start, bwd=bwd, P=P, J=J)
+
+
+def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
+          seq_len: Optional[int], force: bool, **kw) -> int:
+    """The L among `candidates` that `model` (`predict` / `predict_bwd`) predicts fastest (``cp``) among those whose
+    ``cp_worst`` (where the model has one) is at most WORST_MARGIN x the serial time, or 0 (serial) where it is not
+    below MARGIN x the serial time or the longest sequence has fewer than `min_chunks` chunks. `force`: the fastest
+    L regardless (0 only when no sequence is long enough to cut)."""
+    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
+    longest = max(chunks, default=0)
+    best, best_us, serial = 0, math.inf, None
+    for L in candidates:
+        if L >= longest:
+            break
+        p = model(T=T, N=N, HV=HV, K=K, V=V, L=L, sms=sms, lengths=lengths, seq_len=seq_len, **kw)
+        serial = p["serial"]
+        if not force and p.get("cp_worst", p["cp"]) > WORST_MARGIN * serial:
+            continue
+        if p["cp"] < best_us:
+            best, best_us = L, p["cp"]
+    if best == 0 or force:
+        return best
+    if longest < min_chunks or best_us >= MARGIN * serial:
+        return 0
+    return best
+
+
+def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
+               force: bool = False) -> int:
+    """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
+    as in `choose`."""
+    return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
+                 lengths=lengths, seq_len=seq_len, force=force)
+
+
+def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
+           force: bool = False, warmup: Optional[bool] = None) -> int:
+    """The partition length (chunks) the cost model picks, or 0 (serial). `force`: the best L even where the
+    model prefers the serial path (0 only when no sequence is long enough to cut). `warmup` as `predict` takes it."""
+    return _best(predict, CANDIDATE_L, MIN_SEQ_CHUNKS, T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths,
+                 seq_len=seq_len, force=force, warmup=warmup)
+
+
+def _kernel_dims(K: int, V: int) -> bool:
+    """Whether the scan kernel's head dims include (K, V) (K in (64, 128), V a multiple of 16 up to 1024)."""
+    return K in (64, 128) and V % 16 == 0 and V <= 1024
+
+
+
+# ------------------------------------------------------------------------------------------------ warm-up request
+
+def parse_warmup(warmup) -> object:
+    """The warm-up request as ``"auto"``, ``"off"``, ``"on"`` or a threshold (a float < 0).
+
+    `warmup`: None (``FLASHDELTA_CP_WARMUP``, default auto), False / ``"off"``, True / ``"on"`` (at
+    `WARMUP_THRESHOLD`), ``"auto"``, or a negative number (on, windows down to that summed log decay).
+    ``FLASHDELTA_CP_WARMUP``: ``auto``, ``0`` / ``off``, ``1`` / ``on``, or a negative number."""
+    if warmup is None:
+        raw = os.environ.get(ENV_WARMUP, "auto").strip().lower() or "auto"
+        if raw in ("auto", "off", "on"):
+            return raw
+        if raw in ("0", "false"):
+            return "off"
+        if raw in ("1", "true"):
+            return "on"
+        try:
+            thr = float(raw)
+        except ValueError:
+            thr = math.nan
+        if not thr < 0:
+            raise ValueError(f"{ENV_WARMUP}={raw!r}: expected auto, 0 (off), 1 (on) or a negative threshold")
+        return thr
+    if isinstance(warmup, bool):
+        return "on" if warmup else "off"
+    if isinstance(warmup, str) and warmup in ("auto", "off", "on"):
+        return warmup
+    if isinstance(warmup, (int, float)) and not isinstance(warmup, bool):
+        if not warmup < 0:
+            raise ValueError(f"warmup: a threshold must be a negative summed log decay, got {warmup}")
+        return float(warmup)
+    raise TypeError(f"warmup must be None, a bool, 'auto' / 'on' / 'off' or a negative float, got {warmup!r}")
+
+
+def warmup_threshold(request, dtype: torch.dtype) -> Optional[float]:
+    """The threshold the warm-up uses for a call whose q has `dtype` (None: the exact path for every head), from a
+    `parse_warmup` request: ``auto`` warms up at `WARMUP_THRESHOLD` where dtype is in `WARMUP_DTYPES`."""
+    if request == "off":
+        return None
+    if request == "auto":
+        return WARMUP_THRESHOLD if dtype in WARMUP_DTYPES else None
+    if request == "on":
+        return WARMUP_THRESHOLD
+    return float(request)

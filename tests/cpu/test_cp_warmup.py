@@ -1,0 +1,337 @@
+"""The gate-driven warm-up of the device-side CP forward (`flashdelta.cp.windows`, docs/algorithm.md §4.4) on the
+portable backend, on the CPU.
+
+- the windows equal the float64 reference's `warmup_chunks` (window lengths, fallback heads, summed log decays) on
+  ragged partition edges, sequences shorter than a partition, an empty one, many short with one long, dense input,
+  benchmark gates (a quarter of the heads exactly 0), model gates, all-zero gates; a sequence's last partition walks
+  nothing in either pass; the contraction condition (``0 <= beta ||k||^2 <= 2``) sends a partition's heads to the
+  exact path where one token breaks it; padding garbage changes nothing; the windows trace on meta tensors (no
+  device value read on the host: CUDA graphs capture them);
+- `chunk_skip` in the portable chunk_fwd walks exactly the chunks from the skip on;
+- the summary passes with the windows and the scan give the reference's warm-up start states (float64, 1e-12);
+- at head dim 128 the truncation at every partition boundary is within the documented bound (exp(window log decay)
+  x the state entering the window, compounded through fallback partitions) and the bound is tight (err / bound
+  >= 0.3), warm-up on vs exact CP vs serial;
+- through the public API: warm-up on equals the reference warm-up driver (float64, 1e-12) and stays within the bound
+  of serial; a never-decaying head falls back and stays exact to fp32 rounding;
+- the request (argument of `make_plan`, FLASHDELTA_CP_WARMUP, the dtype rule of ``auto``) and the cost model with the
+  warm-up (expected and worst case).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _helpers import Case, assert_close, make_inputs
+from flashdelta import chunk_gated_delta_rule, cp, portable
+from flashdelta.reference import chunked as ref
+from flashdelta.reference import cp as rcp
+
+F64 = torch.float64
+
+
+def _flat(x, name):
+    t = x[name]
+    return None if t is None else t.reshape(1, -1, *t.shape[2:])
+
+
+def _stage_inputs(case: Case, dtype=F64, seed=0):
+    x = make_inputs(case, dtype=dtype, seed=seed)
+    if dtype == F64:
+        x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    q, k, v, g, beta = (_flat(x, n) for n in ("q", "k", "v", "g", "beta"))
+    cu = x["cu_seqlens"]
+    seq_len = None
+    if cu is None:
+        B, T = x["q"].shape[:2]
+        cu, seq_len = torch.arange(B + 1, dtype=torch.int32) * T, T
+    g_cumsum, A = portable.prepare_fwd(k, g, beta, cu)
+    return x, q, k, v, g_cumsum, beta, A, cu, seq_len
+
+
+# ----------------------------------------------------------------------------------------- the windows
+
+WINDOW_CASES = [
+    # (case, partition chunks, threshold)
+    # benchmark gates (~ -3.2 per chunk: 4-chunk windows; heads 0, 1 exactly 0), ragged edges, an empty sequence,
+    # one shorter than a partition, padding
+    (Case("bench_edges", (1100, 1, 700, 0, 130, 2000), H=1, HV=8, K=16, V=8, gate="bench", pad=5), 6, -10.0),
+    # model gates (head 0 never decays, head 1 barely), many short sequences with one long, GVA 2
+    (Case("model_short_long", (3, 70, 2, 64, 2500, 64, 1, 40), H=2, HV=4, K=16, V=16), 4, -10.0),
+    # dense, a lower threshold: the windows are shorter than the partitions but longer than one chunk
+    (Case("bench_dense", (1536, 1536), H=1, HV=4, K=16, V=8, gate="bench", varlen=False), 8, -4.0),
+    # every gate exactly 0: every head of every partition falls back
+    (Case("zero_gates", (900, 300), H=1, HV=2, K=8, V=8, gate="zero"), 3, -10.0),
+]
+WINDOW_IDS = [c[0].name for c in WINDOW_CASES]
+
+
+@pytest.mark.parametrize("case,L,thr", WINDOW_CASES, ids=WINDOW_IDS)
+def test_windows_equal_the_reference(case, L, thr):
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len)
+    parts = rcp.partition(cu, L)
+    want = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="fwd")
+    win = cp.windows(g_cumsum, k, beta, plan, thr)
+    used = slice(0, parts.P)
+    assert win.skip_e.dtype == win.skip_m.dtype == torch.int32 and win.skip_e.shape == (plan.P, case.HV)
+    assert torch.equal(win.n(L)[used], want.n) and torch.equal(win.fallback[used], want.fallback)
+    assert_close("log_decay", win.log_decay(L)[used], want.log_decay, tol=1e-12)
+    for p in range(parts.P):
+        if parts.last[p]:                               # the scan reads no summary of it: nothing walked
+            assert bool((win.skip_e[p] == cp.SKIP_ALL).all() and (win.skip_m[p] == cp.SKIP_ALL).all())
+    fb, warm = win.fallback[used], ~win.fallback[used] & (win.n(L)[used] > 0)
+    assert bool((win.skip_m[used][fb] == 0).all() and (win.skip_e[used][fb] == 0).all())
+    assert bool((win.skip_m[used][warm] == cp.SKIP_ALL).all())
+    assert bool((win.skip_e[parts.P:] == cp.SKIP_ALL).all() and (win.skip_m[parts.P:] == cp.SKIP_ALL).all())
+    inner = [p for p in range(parts.P) if not parts.last[p]]
+    if case.gate == "zero":
+        assert bool(win.fallback[inner].all())
+    else:                   # the case exercises both paths; the never-decaying head always falls back
+        assert bool(win.fallback[inner, 0].all()) and bool(warm.any())
+    if case.name == "bench_dense":
+        assert bool((win.n(L)[inner][:, 1:] > 1).all()) and bool((win.n(L)[inner][:, 1:] < L).all())
+
+
+def test_windows_contraction_condition():
+    """A token with beta ||k||^2 outside [0, 2] (the norm bound's condition, docs/algorithm.md §4.2) sends its
+    partition's head to the exact path; with `keys_normalized` only beta is read (the caller vouches for k);
+    garbage on the padding tail changes nothing."""
+    case, L, thr = WINDOW_CASES[0]
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L)
+    base = cp.windows(g_cumsum, k, beta, plan, thr)
+    p_a, p_b, h = 0, 1, 5                                   # inner partitions of the first sequence; a decaying head
+    assert not bool(base.fallback[p_a, h]) and not bool(base.fallback[p_b, h])
+    t_a = int(plan.cu[p_a]) + 10                            # a token of partition 0 (before its window)
+    t_b = int(plan.cu[p_b + 1]) - 3                         # a token of partition 1's last chunk
+    beta2 = beta.clone()
+    beta2[0, t_a, h] = 2.5                                   # b ||k||^2 = 2.5 > 2
+    k2 = k.clone()
+    k2[0, t_b, 0] *= 2.0                                     # ||k||^2 = 4: b ||k||^2 > 2 where b > 0.5
+    beta2[0, t_b, :] = 0.9
+    win = cp.windows(g_cumsum, k2, beta2, plan, thr)
+    changed = win.fallback != base.fallback
+    assert bool(win.fallback[p_a, h]) and bool(win.fallback[p_b].all()), "every head of partition 1 reads k2[t_b]"
+    assert set(map(tuple, changed.nonzero().tolist())) <= {(p_a, h)} | {(p_b, j) for j in range(case.HV)}
+    normed = cp.windows(g_cumsum, k2, beta2, plan, thr, keys_normalized=True)
+    assert bool(normed.fallback[p_a, h]) and torch.equal(normed.fallback[p_b], base.fallback[p_b])
+    beta3 = beta.clone()
+    beta3[0, t_b, 2] = -0.5                                  # a negative write strength expands the state
+    assert bool(cp.windows(g_cumsum, k, beta3, plan, thr).fallback[p_b, 2])
+    # the padding tail (tokens >= cu[N]) is never read
+    pad = slice(int(cu[-1]), None)
+    g3, beta4, k4 = g_cumsum.clone(), beta.clone(), k.clone()
+    g3[0, pad], beta4[0, pad], k4[0, pad] = -1e4, float("nan"), float("nan")
+    for a, b in zip(cp.windows(g3, k4, beta4, plan, thr)[:3], base[:3]):
+        assert torch.equal(a, b)
+
+
+def test_windows_need_no_device_values():
+    """The windows trace on meta tensors (a data-dependent op, `.item()` or a host read would raise there): CUDA
+    graphs capture them and replay them with new lengths."""
+    meta = dict(device="meta")
+    plan = cp.make_plan(torch.empty(6, dtype=torch.int32, **meta), 3000, 4)
+    g = torch.empty(1, 3000, 8, **meta)
+    k = torch.empty(1, 3000, 2, 64, dtype=torch.bfloat16, **meta)
+    beta = torch.empty(1, 3000, 8, dtype=torch.bfloat16, **meta)
+    for normed in (False, True):
+        win = cp.windows(g, k, beta, plan, -10.0, keys_normalized=normed)
+        assert win.skip_e.shape == win.skip_m.shape == (plan.P, 8) and win.suffix.shape == (plan.P, 4, 8)
+
+
+def test_chunk_skip_walks_the_chunks_from_the_skip():
+    """The portable chunk_fwd with `chunk_skip` (and its float64 twin) ends where a walk over the chunks from the
+    skip on ends: skips past the end leave the initial state, negative ones walk everything."""
+    case = Case("skip", (700, 1, 300, 0, 130), H=1, HV=3, K=16, V=8, pad=4)
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    h0 = x["initial_state"]
+    skip = torch.tensor([[2, 0, 11], [1, 0, 5], [-3, 4, 1], [0, 2, 7], [1, 3, 0]], dtype=torch.int32)
+    _, ht = ref.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.25, chunk_skip=skip)
+    for n in range(len(cu) - 1):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        for h in range(case.HV):
+            start = min(bos + max(int(skip[n, h]), 0) * 64, eos)
+            sl = slice(start, eos)
+            one = torch.tensor([0, eos - start], dtype=torch.int32)
+            _, want = ref.chunk_fwd(q[:, sl], k[:, sl], v[:, sl, h:h + 1], g_cumsum[:, sl, h:h + 1],
+                                    beta[:, sl, h:h + 1], A[:, sl, h:h + 1], h0[n:n + 1, h:h + 1], one, scale=0.25)
+            assert_close("ht", ht[n, h], want[0, 0], tol=1e-13)
+    with pytest.raises(ValueError, match="chunk_skip"):
+        portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.25, chunk_skip=skip[:2])
+
+
+# ----------------------------------------------------------------------------------------- start states
+
+@pytest.mark.parametrize("case,L,thr", WINDOW_CASES, ids=WINDOW_IDS)
+def test_warmup_start_states_equal_the_reference(case, L, thr):
+    """The summary passes over the windows (E over each head's window, M over the fallback heads only, 0 elsewhere)
+    and both torch scans give the float64 reference's warm-up start states."""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len)
+    parts = rcp.partition(cu, L)
+    win = cp.windows(g_cumsum, k, beta, plan, thr)
+    M, E = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd,
+                        state_dtype=F64, windows=win)
+    plan_ref = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="fwd")
+    for h0 in (x["initial_state"], None):
+        want, _ = rcp.warmup_states(k, v, g_cumsum, beta, A, h0, parts, plan_ref)
+        for method in ("serial", "log"):
+            assert_close("h", cp.scan_states(M, E, plan, h0, method)[:parts.P], want, tol=1e-12)
+
+
+# (case, partition chunks, threshold, minimum tightness err / bound over the boundaries)
+BOUND_CASES = [
+    # head dim 128, benchmark gates: the realistic setting; a threshold where the truncation is far above rounding
+    (Case("bound_bench_K128", (1152, 200), H=1, HV=4, K=128, V=64, gate="bench"), 6, -4.0, 0.3),
+    # the default threshold on model gates at head dim 64: truncation far below fp32 rounding, bound holds
+    (Case("bound_model_K64", (900, 250), H=2, HV=4, K=64, V=32), 3, -10.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("case,L,thr,tight", BOUND_CASES, ids=[c[0].name for c in BOUND_CASES])
+def test_warmup_within_the_bound(case, L, thr, tight):
+    """Warm-up on vs exact CP vs serial (float64): at every partition boundary each head's start-state error is
+    within exp(window log decay) x ||state entering its window|| (compounded through fallback partitions,
+    docs/algorithm.md §4.4), the exact CP start states equal the serial states, and the bound is tight."""
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    h0 = x["initial_state"]
+    plan = cp.make_plan(cu, q.shape[1], L)
+    parts = rcp.partition(cu, L)
+    win = cp.windows(g_cumsum, k, beta, plan, thr)
+    kw = dict(scale=case.K ** -0.5, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    warm = cp.scan_states(*cp.summaries(q, k, v, g_cumsum, beta, A, plan, windows=win, **kw), plan, h0)
+    exact = cp.scan_states(*cp.summaries(q, k, v, g_cumsum, beta, A, plan, **kw), plan, h0)
+    states = ref.state_recompute(k, v, g_cumsum, beta, A, h0, cu)        # [NT, HV, K, V]: serial truth
+    n, decay = win.n(L), torch.exp(win.log_decay(L))
+    assert bool((~win.fallback[:parts.P] & (n[:parts.P] > 0)).any()), "the case must truncate"
+    ratios, bound = [], None
+    for p in range(parts.P):
+        truth = states[parts.chunk_start[p]]
+        assert_close("exact", exact[p], truth, tol=1e-12)
+        if parts.first[p]:
+            bound = torch.zeros(case.HV, dtype=F64)
+        err = (warm[p] - truth).flatten(1).norm(dim=1)
+        assert bool((err <= bound * (1 + 1e-9) + 1e-13).all()), f"partition {p}: error {err} > bound {bound}"
+        ratios += [float(e / b) for e, b in zip(err, bound) if b > 1e-12]
+        if parts.last[p]:
+            continue
+        ws = parts.chunk_start[p] + parts.nchunks[p] - n[p]                 # each head's window start (chunk)
+        entering = torch.stack([states[int(ws[i]), i] for i in range(case.HV)]).flatten(1).norm(dim=1)
+        bound = torch.where(win.fallback[p], decay[p] * bound, decay[p] * entering)
+    print(f"{case.name}: err/bound max {max(ratios, default=0):.3f}")
+    assert max(ratios, default=0.0) >= tight, f"bound not tight: max err/bound {max(ratios, default=0):.3g}"
+
+
+# ----------------------------------------------------------------------------------------- through the API
+
+API_CASES = [
+    # (case, partition chunks, threshold)
+    (Case("api_bench_edges_h0", (1300, 1, 700, 0, 130), H=1, HV=8, K=16, V=8, gate="bench", pad=5), 6, -4.0),
+    (Case("api_bench_short_long_noh0", (3, 0, 70, 2, 1500, 64), H=1, HV=4, K=16, V=16, gate="bench", h0=False),
+     5, -5.0),
+    (Case("api_bench_dense_vfirst", (1024, 1024), H=2, HV=4, K=8, V=16, varlen=False, state_v_first=True,
+          gate="bench"), 6, -4.0),
+]
+
+
+def _api(x, **kw):
+    return chunk_gated_delta_rule(**x, output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("case,L,thr", API_CASES, ids=[c[0].name for c in API_CASES])
+def test_api_warmup_equals_the_reference_driver(case, L, thr, monkeypatch):
+    """float64 through the public API with the warm-up on (FLASHDELTA_CP_WARMUP = the threshold) equals the
+    reference warm-up driver, and differs from serial by at most ~exp(threshold)."""
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    monkeypatch.setenv(cp.ENV_WARMUP, str(thr))
+    calls = []
+    real = cp.cp_chunk_fwd
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append(kw["plan"].warmup) or real(*a, **kw))
+    o, ht = _api(x, context_parallel=L)
+    assert calls == [thr]
+    o_ref, ht_ref = rcp.cp_fwd(q, k, v, g_cumsum, beta, A, x["initial_state"], cu, state_v_first=case.state_v_first,
+                               partition_chunks=L, mode="warmup", threshold=thr)
+    assert_close("o", o.reshape(o_ref.shape), o_ref, tol=1e-12)
+    assert_close("ht", ht, ht_ref, tol=1e-12)
+    o0, ht0 = _api(x, context_parallel=False)
+    err = assert_close("o", o, o0, tol=math.exp(thr))
+    assert err > 1e-12, "the warm-up really truncated"
+    assert_close("ht", ht, ht0, tol=math.exp(thr))
+
+
+NEVER_DECAYING = [
+    (Case("model_h0_ragged", (700, 1, 1300), H=2, HV=4, K=16, V=8, pad=5), 3),
+    (Case("zero_gates", (900, 300), H=1, HV=2, K=8, V=8, gate="zero"), 3),
+]
+
+
+@pytest.mark.parametrize("case,L", NEVER_DECAYING, ids=[c[0].name for c in NEVER_DECAYING])
+def test_api_never_decaying_head_stays_exact(case, L, monkeypatch):
+    """Model gates (head 0: g = 0, head 1: ~-1e-4 per token) with the warm-up on in fp32: the slow heads fall back,
+    the fast ones truncate far below rounding, so CP equals CP off to fp32 rounding; all-zero gates likewise."""
+    x = make_inputs(case, dtype=torch.float32)
+    _, q, k, _, g_cumsum, beta, _, cu, _ = _stage_inputs(case, dtype=torch.float32)
+    win = cp.windows(g_cumsum, k, beta, cp.make_plan(cu, q.shape[1], L), cp.WARMUP_THRESHOLD)
+    inner = win.n(L).sum(1) > 0
+    assert bool(inner.any()) and bool(win.fallback[inner, 0].all()), "the never-decaying head falls back"
+    o0, ht0 = _api(x, context_parallel=False)
+    monkeypatch.setenv(cp.ENV_WARMUP, "on")
+    o1, ht1 = _api(x, context_parallel=L)
+    assert_close("o", o1, o0, tol=1e-5)
+    assert_close("ht", ht1, ht0, tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- request and model
+
+def test_warmup_request(monkeypatch):
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
+    assert cp.parse_warmup(None) == "auto"
+    assert (cp.parse_warmup(False), cp.parse_warmup(True), cp.parse_warmup(-6), cp.parse_warmup("off")) == \
+        ("off", "on", -6.0, "off")
+    for raw, want in (("0", "off"), ("off", "off"), ("1", "on"), ("auto", "auto"), ("-16", -16.0), ("-7.5", -7.5)):
+        monkeypatch.setenv(cp.ENV_WARMUP, raw)
+        assert cp.parse_warmup(None) == want
+    for bad in ("sometimes", "3", "nan"):
+        monkeypatch.setenv(cp.ENV_WARMUP, bad)
+        with pytest.raises(ValueError, match=cp.ENV_WARMUP):
+            cp.parse_warmup(None)
+    with pytest.raises(ValueError, match="warmup"):
+        cp.parse_warmup(0.5)
+    with pytest.raises(TypeError, match="warmup"):
+        cp.parse_warmup([1])
+    # auto: the kernels' dtypes warm up at -10, fp32 and float64 stay exact; on: every dtype; a threshold: as given
+    assert cp.warmup_threshold("auto", torch.bfloat16) == cp.warmup_threshold("auto", torch.float16) == -10.0
+    assert cp.warmup_threshold("auto", torch.float32) is None and cp.warmup_threshold("auto", F64) is None
+    assert cp.warmup_threshold("on", F64) == -10.0 and cp.warmup_threshold(-16.0, torch.float32) == -16.0
+    assert cp.warmup_threshold("off", torch.bfloat16) is None
+    # the plan carries the request: the argument, else the variable (read when the plan is made)
+    cu = torch.tensor([0, 700], dtype=torch.int32)
+    monkeypatch.setenv(cp.ENV_WARMUP, "off")
+    assert cp.make_plan(cu, 700, 2).warmup == "off" and cp.make_plan(cu, 700, 2, warmup=-12).warmup == -12.0
+    monkeypatch.delenv(cp.ENV_WARMUP)
+    assert cp.make_plan(cu, 700, 2).warmup == "auto"
+
+
+def test_cost_model_with_the_warmup():
+    """The expected CP time with the warm-up is below the exact path's, which is its worst case (every head falls
+    back); 2/8 1x32768 splits finer with it; a split is taken only where even the worst case is no slower than
+    serial."""
+    kw = dict(T=32768, N=1, HV=8, K=128, V=128, sms=132, lengths=[32768])
+    for L in cp.CANDIDATE_L[:4]:
+        w, e = cp.predict(L=L, warmup=True, **kw), cp.predict(L=L, warmup=False, **kw)
+        assert w["cp"] < w["cp_worst"] and e["cp"] == e["cp_worst"]
+        assert w["cp_worst"] == pytest.approx(e["cp"] + cp.cp_model.WARMUP_US)
+        assert w["m"] < e["m"] and w["e"] <= e["e"] and w["out"] == e["out"]
+    Lw, Le = cp.choose(warmup=True, **kw), cp.choose(warmup=False, **kw)
+    assert 0 < Lw < Le, (Lw, Le)
+    p = cp.predict(L=Lw, warmup=True, **kw)
+    assert p["cp"] < cp.predict(L=Le, warmup=False, **kw)["cp"] and p["cp_worst"] <= cp.WORST_MARGIN * p["serial"]
+    # a row where the expected time would split but the worst case is slower than serial stays serial
+    wide = dict(kw, HV=32)
+    pw = cp.predict(L=64, warmup=True, **wide)
+    assert pw["cp_worst"] > pw["serial"] and cp.choose(warmup=True, **wide) == 0
+    # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on)
+    assert cp.choose(**kw) == Lw

@@ -1,5 +1,6 @@
 """Stage `prepare` forward, the launcher: chunk-local gate cumsum and the ungated WY inverse A by one of two kernels
-with bit-identical results (the math is in prepare_common.py):
+with bit-identical results (the math, and the in-kernel gate and beta activation they apply on load, are in
+prepare_common.py):
 
 - the one-shot kernel (prepare_oneshot.py): a CTA per (chunk slot, key head), its four warps inverting up to four
   value heads at once; on small grids with more than four value heads per key head their heads are split over CTAs

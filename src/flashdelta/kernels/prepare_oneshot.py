@@ -1,8 +1,8 @@
 """Stage `prepare` forward, the one-shot kernel: a CTA per (chunk slot, key head) does everything for its chunk
 (the math is in prepare_common.py; the launcher, prepare.py, picks this kernel or the persistent one).
 
-One warpgroup loads the chunk's keys once, computes `K K^T` with wgmma, writes the chunk-local inclusive cumsum of g,
-and its four warps invert the value heads of the group, one head per warp (rounds of four). With fewer heads per CTA
+One warpgroup loads the chunk's keys once, computes `K K^T` with wgmma, writes the chunk-local inclusive cumsum of g
+(and the activated beta, in builds with a beta activation: prepare_common.py), and its four warps invert the value heads of the group, one head per warp (rounds of four). With fewer heads per CTA
 (`heads_per_cta`, on small grids) the HV / H value heads of a key head are split over CTAs, each repeating the key
 tile load and K K^T. A CTA finds its chunk by searching cu_seqlens (kernels/_chunks.py); idle slots exit.
 

@@ -7,7 +7,8 @@ other, so each CTA spends about a third of its life waiting for its key tile. He
 the work items (chunk slot, key head, value-head group) round robin, and each CTA splits the roles:
 
 - producer warp (after the consumers): finds the item's chunk (a 32-way search of cu_seqlens), TMA-loads the key tile
-  into a 2-slot ring, writes beta (0 past the sequence end) next to it and hands the slot over; with 4+ value
+  into a 2-slot ring, writes beta (0 past the sequence end; activated, and stored to the activated beta's output, in
+  builds with a beta activation) next to it and hands the slot over; with 4+ value
   heads per item it then writes the chunk-local cumsum of g straight to g_cumsum (a shuffle scan, all value heads'
   loads at once), which nothing on the chip waits for. The loads of the next items run under the current items'
   inverses.

@@ -226,8 +226,8 @@ class CPPlan(NamedTuple):
     on unused slots), ``pos [P]`` int64 its index within the sequence (0 on unused slots), ``first [P]`` bool
     (starts its sequence, or unused), ``last_index [N]`` int64 each sequence's last partition, ``step_index [J, N]``
     int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the forward's
-    warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call by
-    `warmup_threshold` from q's dtype.
+    warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call from q's
+    dtype and, under ``auto``, the cost model (`cp_chunk_fwd`).
     """
     L: int
     P: int
@@ -478,13 +478,24 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     return M, E
 
 
+def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int) -> Optional[float]:
+    """The warm-up threshold of one call (None: the exact path): `warmup_threshold` of the plan's request at q's
+    dtype; under ``auto`` only where `cp_model.warmup_pays` at the plan's L for ``P - N`` partitions that are not
+    their sequence's last (host ints: exact for dense input, the most the tokens allow for varlen)."""
+    thr = warmup_threshold(plan.warmup, q.dtype)
+    if thr is not None and plan.warmup == "auto" and not cp_model.warmup_pays(
+            inner=plan.P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=num_sms(q.device)):
+        return None
+    return thr
+
+
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False):
     """The `chunk_fwd` stage (docs/stages.md) through the partitions of `plan` (`make_plan` of the same
     cu_seqlens): ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``, exact, or with the gate-driven
-    warm-up where `plan.warmup` asks for it at q's dtype (`warmup_threshold`): heads whose window reaches the
-    threshold take their start state from it (error <= exp(threshold) x the state entering the window,
-    docs/algorithm.md §4.4), the others the exact path.
+    warm-up where `plan.warmup` asks for it at q's dtype (`warmup_threshold`; ``auto``: also where the cost model
+    predicts it faster, `_threshold`): heads whose window reaches the threshold take their start state from it
+    (error <= exp(threshold) x the state entering the window, docs/algorithm.md §4.4), the others the exact path.
 
     `backends`: the call's `dispatch.Plan`; every launch goes to its chunk_fwd launcher, which must run the value
     widths V and K (`supported`) and take `chunk_skip`. beta and the initial state as that launcher takes them.
@@ -499,7 +510,8 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     del cu_seqlens                                                # the plan holds the partition boundaries
     launch = backends.fn("chunk_fwd")
     sd = backends.kset("chunk_fwd").param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    win = windows(g_cumsum, k, beta, plan, warmup_threshold(plan.warmup, q.dtype), keys_normalized=keys_normalized)
+    win = windows(g_cumsum, k, beta, plan, _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1]),
+                  keys_normalized=keys_normalized)
     M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd, windows=win)
     h0 = initial_state
     if h0 is not None:

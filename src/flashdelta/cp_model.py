@@ -45,8 +45,12 @@ MARGIN = 0.9                    # split only where the predicted CP time is belo
 # head falls back (`cp_worst`, the exact path's time): the decision knows no gate before the call
 WARMUP_FALLBACK = 0.25
 WARMUP_CHUNKS = 4
-WARMUP_US = 12.0                # the windows' small kernels: key norms (one read of k), gathers, cumsums (a guess)
-WORST_MARGIN = 1.0              # split only where `cp_worst` is at most this x the serial time
+# the windows' ~25 small kernels (`cp.windows`) at the ~1.4 us a small kernel costs in a CUDA graph (the H200 fit of
+# 2/8 1x32768: 431 us = 3 x 104 us passes + 15 us scan + 27 us zero fill + 27 us prepare + ~36 small kernels)
+WARMUP_US = 35.0
+# split only where `cp_worst` is at most this x the serial time: where no gate decays at all (no model's gates) a
+# split may lose up to 5%, so that rows where only the warm-up makes CP pay (4/16 1x32768) are split
+WORST_MARGIN = 1.05
 # auto: no split of a forward whose longest sequence has fewer chunks; at 2/8 1x8192 (128 chunks) the model's L = 16
 # measured 2.5% slower than serial on the H200 (fixed costs of the three passes), at 2/8 1x32768 L = 64 1.66x faster
 MIN_SEQ_CHUNKS = 256
@@ -147,37 +151,53 @@ def _inner(chunks: list, L: int) -> int:
     return sum(max(0, -(-c // L) - 1) for c in chunks)
 
 
+def _summary_us(inner: int, HV: int, K: int, V: int, L: int, sms: int, warmup: bool) -> tuple:
+    """(M pass, E pass) microseconds over `inner` partitions of L chunks: exact (every head walks every chunk of
+    both) or, with `warmup`, expected (`WARMUP_FALLBACK` of the heads walk both, the rest `WARMUP_CHUNKS` chunks
+    of the E pass)."""
+    NV, NK = max(1, V // 64), max(1, K // 64)
+    if not warmup:
+        return _pass_us([(L, inner * HV * NK)], sms), _pass_us([(L, inner * HV * NV)], sms)
+    hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))          # fallback heads
+    return _pass_us([(L, inner * hf * NK)], sms), _pass_us(
+        [(L, inner * hf * NV), (min(WARMUP_CHUNKS, L), inner * (HV - hf) * NV)], sms)
+
+
+def warmup_pays(*, inner: int, HV: int, K: int, V: int, L: int, sms: int) -> bool:
+    """Whether the warm-up's expected M and E passes plus its decision (`WARMUP_US`) beat the exact path's, for
+    `inner` partitions of L chunks (not their sequences' last): where every pass is one wave anyway (few heads)
+    the windows shorten no launch and the exact path is faster."""
+    return sum(_summary_us(inner, HV, K, V, L, sms, True)) + WARMUP_US < sum(_summary_us(inner, HV, K, V, L, sms,
+                                                                                      False))
+
+
 def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
             seq_len: Optional[int] = None, warmup: Optional[bool] = None) -> dict:
     """Predicted microseconds of the serial forward's fused pass and of CP's passes with L-chunk partitions.
 
     The M and E passes walk only partitions that are not their sequence's last (the scan reads no other; the others'
-    CTAs exit at once). `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs, `warmup_threshold`): ``cp`` is
-    the expected time with `WARMUP_FALLBACK` of the heads on the exact path and the rest walking `WARMUP_CHUNKS` in
-    the E pass (none in the M pass), plus `WARMUP_US`; ``cp_worst`` the same launches where every head falls back.
-    Without the warm-up both are the exact path's time."""
+    CTAs exit at once). `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs, `warmup_threshold`): the
+    warm-up may run; it runs where `warmup_pays` (``warmup`` in the result), and then ``cp`` is its expected time
+    and ``cp_worst`` the same launches where every head falls back (the exact path's time plus `WARMUP_US`).
+    Otherwise both are the exact path's time."""
     if warmup is None:
         warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
-    NV, NK = max(1, V // 64), max(1, K // 64)
+    NV = max(1, V // 64)
     serial = _pass_us([(c, HV * NV) for c in chunks], sms)
     parts = _parts(chunks, L)
     inner = _inner(chunks, L)
     P, J = bounds(T, N, L, seq_len)
-    m_all = _pass_us([(L, inner * HV * NK)], sms)
-    e_all = _pass_us([(L, inner * HV * NV)], sms)
+    exact = sum(_summary_us(inner, HV, K, V, L, sms, False))
     out = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
     zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
-    m, e, fixed = m_all, e_all, 0.0
-    if warmup:
-        hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))      # fallback heads
-        m = _pass_us([(L, inner * hf * NK)], sms)
-        e = _pass_us([(L, inner * hf * NV), (min(WARMUP_CHUNKS, L), inner * (HV - hf) * NV)], sms)
-        fixed = WARMUP_US
+    warm = bool(warmup) and warmup_pays(inner=inner, HV=HV, K=K, V=V, L=L, sms=sms)
+    m, e = _summary_us(inner, HV, K, V, L, sms, warm)
+    fixed = WARMUP_US if warm else 0.0
     rest = out + scan_us + zeros + fixed
-    return dict(serial=serial, cp=m + e + rest, cp_worst=m_all + e_all + rest, m=m, e=e, out=out, scan=scan_us,
-                scan_method=scan, zeros=zeros, warmup_us=fixed, P=P, J=J)
+    return dict(serial=serial, cp=m + e + rest, cp_worst=exact + rest, warmup=warm, m=m, e=e, warmup_us=fixed,
+                out=out, scan=scan_us, scan_method=scan, zeros=zeros, P=P, J=J)
 
 
 def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,

@@ -1,7 +1,10 @@
 """CP (`flashdelta.cp`) on the sm90 backend, through the public API.
 
 Forward: CP on vs off against the float64 reference (with the bf16 PyTorch baseline), the plan against the
-reference's partition, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths.
+reference's partition, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
+gate-driven warm-up (on by default for bf16): the fused forward's `chunk_skip` builds against the float64 twin, the
+windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
+(4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
 Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
 the serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192); one CUDA
 graph of forward + backward with CP replayed with new lengths.
@@ -33,6 +36,7 @@ def _variants(case, backward: bool):
 def builds() -> list:
     """(label, builder, args) of every SM90 build this file launches, without duplicates."""
     todo = [(c, False) for c, _ in CASES] + [(c, True) for c, _ in BWD_CASES]
+    todo += [(c, False) for c, _ in WARM_CASES] + [(SKIP_CASE, False), (WARM_GRAPH, False)]
     todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True)]
     out = {}
     for case, backward in todo:
@@ -95,15 +99,18 @@ GRAPH = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 
 
 def test_auto_splits_a_long_sequence_on_few_heads(monkeypatch):
+    """2/8 1x32768: auto splits (at the L the model picks with the warm-up) and runs the warm-up."""
     monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
     x = make_inputs(AUTO_FWD, dtype=torch.bfloat16, device="cuda")
     calls = []
     real = cp.cp_chunk_fwd
-    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append((kw["plan"], a[0])) or real(*a, **kw))
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
         o0, ht0 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
-    assert len(calls) == 1 and calls[0] > 0
+    assert len(calls) == 1 and calls[0][0].L > 0
+    assert cp._threshold(calls[0][0], calls[0][1], AUTO_FWD.HV, AUTO_FWD.K, AUTO_FWD.V) == cp.WARMUP_THRESHOLD
     assert_close("o", o, o0, tol=2e-2)
     assert_close("ht", ht, ht0, tol=2e-2)
 
@@ -131,6 +138,139 @@ def test_cp_graph_replays_with_new_lengths(monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             o_e, ht_e = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=4)
+            o_s, ht_s = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
+            assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e), cu
+            assert_close("o", o_g, o_s, tol=2e-2)
+            assert_close("ht", ht_g, ht_s, tol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------- the warm-up
+
+SKIP_CASE = Case("cp-chunk-skip", (700, 1, 300, 0, 1300), H=2, HV=8, K=128, V=128, pad=5)
+
+
+def _flat_inputs(x):
+    B, T = x["q"].shape[:2]
+    cu = x["cu_seqlens"] if x["cu_seqlens"] is not None else torch.arange(B + 1, dtype=torch.int32,
+                                                                           device="cuda") * T
+    flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+    return flat(x["q"]), flat(x["k"]), flat(x["v"]), flat(x["g"]), flat(x["beta"]), cu
+
+
+def test_chunk_skip_kernel_matches_the_float64_twin():
+    """The SM90 fused forward's `chunk_skip` builds (CP's M and E passes: with and without an initial state): the
+    final state of each (sequence, head) walk from its skip on, and o on the walked chunks, against the float64
+    twin of the stage with the same skips (bf16 PyTorch baseline); skips of 0, inside, past the end, negative."""
+    from flashdelta.kernels import fused_fwd, prepare
+    from flashdelta.reference import chunked as ref
+
+    x = make_inputs(SKIP_CASE, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    N, HV = cu.shape[0] - 1, SKIP_CASE.HV
+    gen = torch.Generator().manual_seed(7)
+    skip = torch.randint(-2, 14, (N, HV), generator=gen, dtype=torch.int32)
+    skip[0, 0], skip[4, 1], skip[4, 2] = cp.SKIP_ALL, 0, 3
+    scale = SKIP_CASE.K ** -0.5
+    cu_h = cu.tolist()
+    walked = torch.zeros(1, q.shape[1], HV, 1, dtype=torch.bool)
+    for n in range(N):
+        for h in range(HV):
+            start = min(cu_h[n] + max(int(skip[n, h]), 0) * 64, cu_h[n + 1])
+            walked[0, start:cu_h[n + 1], h] = True
+    for h0 in (x["initial_state"], None):
+        o, ht = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, chunk_skip=skip.cuda())
+        args = [t.cpu() if t is not None else None for t in (q, k, v, g_cumsum, beta, A, h0)]
+        o_ref, ht_ref = ref.chunk_fwd(*args, cu.cpu(), scale=scale, chunk_skip=skip)
+        o_pt, ht_pt = portable.chunk_fwd(*args, cu.cpu(), scale=scale, chunk_skip=skip, compute_dtype=torch.float32,
+                                         operand_dtype=torch.bfloat16)
+        assert_close("ht", ht, ht_ref, baseline=ht_pt)
+        assert torch.equal(ht[0, 0].cpu(), h0[0, 0].cpu() if h0 is not None else torch.zeros_like(ht_ref[0, 0]))
+        mask = lambda t: torch.where(walked, t.detach().cpu().double(), 0.0)  # noqa: E731
+        assert_close("o", mask(o), mask(o_ref), baseline=mask(o_pt))
+
+
+WARM_CASES = [
+    # (case, partition chunks): benchmark gates (~ -3.2 per chunk: 4-chunk windows at -10; heads 0, 1 exactly 0)
+    (Case("cp-warm-bench-edges", (5000, 1, 700, 0, 130, 64), H=2, HV=8, K=128, V=128, gate="bench", pad=7), 8),
+    (Case("cp-warm-bench-dense-vfirst", (4096, 4096), H=2, HV=8, K=128, V=128, varlen=False, state_v_first=True,
+          gate="bench"), 16),
+    (Case("cp-warm-model-noh0", (6000, 300), H=2, HV=8, K=128, V=128, h0=False), 12),
+    (Case("cp-warm-bench-v256", (3000, 200), H=2, HV=8, K=128, V=256, gate="bench"), 6),
+]
+
+
+@pytest.mark.parametrize("case,L", WARM_CASES, ids=[c[0].name for c in WARM_CASES])
+def test_cp_warmup_matches_reference_exact_and_serial(case, L, monkeypatch):
+    """bf16 with the warm-up on (FLASHDELTA_CP_WARMUP=1: at these sizes `auto` finds it no faster): the windows on
+    the GPU are the reference's (the never-decaying heads fall back, the others truncate), CP is no less accurate
+    than serial against float64, and it agrees with the exact path (FLASHDELTA_CP_WARMUP=0) far inside the bf16
+    tolerances (the truncation is <= e^-10 of the state)."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    plans = []
+    real = cp.cp_chunk_fwd
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: plans.append(kw["plan"]) or real(*a, **kw))
+    with torch.no_grad():
+        o0, ht0 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
+        monkeypatch.setenv(cp.ENV_WARMUP, "1")
+        o1, ht1 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=L)
+        monkeypatch.setenv(cp.ENV_WARMUP, "0")
+        o2, ht2 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=L)
+    assert [p.warmup for p in plans] == ["on", "off"]
+    # the windows the call used, against the reference's on the same gates
+    from flashdelta.kernels import prepare
+
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, _ = prepare.prepare_fwd(k, g, beta, cu)
+    win = cp.windows(g_cumsum, k, beta, plans[0], cp.WARMUP_THRESHOLD)
+    parts = rcp.partition(cu.cpu(), L)
+    want = rcp.warmup_chunks(g_cumsum.cpu().double(), parts, threshold=cp.WARMUP_THRESHOLD, direction="fwd")
+    assert torch.equal(win.n(L)[:parts.P].cpu(), want.n) and torch.equal(win.fallback[:parts.P].cpu(), want.fallback)
+    inner = [p for p in range(parts.P) if not parts.last[p]]
+    assert bool(want.fallback[inner, 0].all()), "head 0 never decays (both gate kinds): the exact path"
+    assert bool(((want.n[inner] < L) & ~want.fallback[inner]).any()), "the case must truncate"
+    o_ref, ht_ref, o_pt, ht_pt = _reference(x)
+    err_o = assert_close("o", o1, o_ref, baseline=o_pt)
+    err_ht = assert_close("ht", ht1, ht_ref, baseline=ht_pt)
+    ser_o, ser_ht = assert_close("o", o0, o_ref), assert_close("ht", ht0, ht_ref)
+    exact_o = assert_close("o", o2, o_ref)
+    print(f"{case.name}: warm-up err o {err_o:.3e} ht {err_ht:.3e}; exact CP o {exact_o:.3e}; serial o {ser_o:.3e} "
+          f"ht {ser_ht:.3e}; windows {want.n[inner][~want.fallback[inner]].float().mean():.2f} chunks, fallback "
+          f"{want.fallback[inner].float().mean():.2f}")
+    assert err_o <= 1.5 * ser_o + 1e-4 and err_ht <= 1.5 * ser_ht + 1e-4, "CP no less accurate than serial"
+    assert_close("o", o1, o2, tol=1e-3)
+    assert_close("ht", ht1, ht2, tol=1e-3)
+    if case.pad:
+        assert torch.all(o1[:, -case.pad:] == 0)
+
+
+WARM_GRAPH = Case("cp-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
+
+
+def test_cp_warmup_graph_replays_with_new_lengths(monkeypatch):
+    """The windows live on the device: a graph captured with the warm-up (benchmark gates, 8-chunk partitions)
+    replays with other lengths and gates (same N and T) and gives what an eager call gives."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.setenv(cp.ENV_WARMUP, "1")
+    x = make_inputs(WARM_GRAPH, dtype=torch.bfloat16, device="cuda")
+    other = make_inputs(WARM_GRAPH, dtype=torch.bfloat16, device="cuda", seed=1)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8)       # warm-up
+            with torch.cuda.graph(graph, stream=s):
+                o_g, ht_g = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8)
+        torch.cuda.current_stream().wait_stream(s)
+        for cu, gates in (([0, 10, 4000, 5001], x["g"]), ([0, 2500, 2600, 4900], other["g"] * 0.5),
+                          ([0, 0, 5001, 5001], other["g"] * 3.0)):
+            x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
+            x["g"].copy_(gates.clone())
+            graph.replay()
+            torch.cuda.synchronize()
+            o_e, ht_e = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8)
             o_s, ht_s = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
             assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e), cu
             assert_close("o", o_g, o_s, tol=2e-2)

@@ -53,7 +53,7 @@ def test_builder_args():
             prepare_pipe.builder_args(H, HV, 128, torch.bfloat16, torch.float32)
     assert prepare_oneshot.min_blocks(16, 16, 0) == prepare_oneshot.min_blocks(16, 64, 1) == 5
     assert prepare_oneshot.min_blocks(16, 64, 0) == prepare_oneshot.min_blocks(16, 64, 2) == 4
-    assert prepare_pipe.builder_args(16, 16, 128, torch.bfloat16, torch.float32, num_sms=78)[6] == 78
+    assert prepare_pipe.builder_args(16, 16, 128, torch.bfloat16, torch.float32, num_sms=78)[-1] == 78
     assert prepare_pipe.blocks_per_sm(128, 1) == 4 and prepare_pipe.blocks_per_sm(128, 3) == 3
 
 
@@ -120,7 +120,7 @@ def test_in_kernel_gate_build_compiles_sm90(label, gate_results):
     findings, src = gate_results[label]
     assert findings == []
     _, args = GATE_BUILDS[label]
-    a_log_dtype, beta_act = args[-3], args[-1]
+    _, a_log_dtype, _, beta_act = args[6:10]       # (both builders' option arguments)
     body = src.split('extern "C" __global__')[-1]                              # the kernel, after the preludes
     assert ("fd_gdn_gate" in body) == (a_log_dtype is not None)
     assert ("fd_beta_act(" in body) == bool(beta_act)
@@ -131,10 +131,10 @@ def test_gate_builds_cover_every_option():
     args = [a for b, a in GATE_BUILDS.values()]
     assert {b for b, _ in GATE_BUILDS.values()} == {prepare_oneshot.build, prepare_pipe.build}
     assert {a[1] // a[0] for a in args} >= {1, 2, 3, 4, 8}
-    assert {a[-4] for a in args} == {"bfloat16", "float16", "float32"}          # the raw gate's dtype
-    assert {a[-3] for a in args} == {None, "bfloat16", "float32"}               # A_log's
-    assert {a[-2] for a in args} == {None, "float16", "float32"}                # dt_bias'
-    assert {a[-1] for a in args} == {0, 1, 2}                                   # beta_act
+    assert {a[6] for a in args} == {"bfloat16", "float16", "float32"}          # the raw gate's dtype
+    assert {a[7] for a in args} == {None, "bfloat16", "float32"}               # A_log's
+    assert {a[8] for a in args} == {None, "float16", "float32"}                # dt_bias'
+    assert {a[9] for a in args} == {0, 1, 2}                                   # beta_act
 
 
 def test_option_arguments():
@@ -150,13 +150,13 @@ def test_option_arguments():
     plain = prepare.launcher_builds(16, 48, 128, bf16, f32, num_sms=132)
     gated = prepare.launcher_builds(16, 48, 128, bf16, f32, num_sms=132, g_dtype=bf16, a_log_dtype=f32, beta_act=1)
     assert [b for _, b, _ in plain] == [b for _, b, _ in gated]
-    assert all(a[:-4] == p[:-4] and a[-4:] == ("bfloat16", "float32", None, 1) for (_, _, p), (_, _, a)
-               in zip(plain, gated))
+    assert all(a[:6] == p[:6] and a[10:] == p[10:] and a[6:10] == ("bfloat16", "float32", None, 1)
+               for (_, _, p), (_, _, a) in zip(plain, gated))
     assert all("gate(g bfloat16, A_log float32, dt_bias None) beta_act=1" in label for label, _, _ in gated)
     with pytest.raises(AssertionError, match="pre-activated"):
         prepare_oneshot.build.get_tir(2, 4, 128, "bfloat16", "float32", 0, "bfloat16", None, None, 0)
     with pytest.raises(AssertionError):
-        prepare_pipe.build.get_tir(2, 4, 128, "bfloat16", "float32", 0, 132, "float32", None, "float32", 0)
+        prepare_pipe.build.get_tir(2, 4, 128, "bfloat16", "float32", 0, "float32", None, "float32", 0, 132)
 
 
 def test_builds_without_options_carry_no_activation():

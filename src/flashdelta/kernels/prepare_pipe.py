@@ -81,12 +81,11 @@ def blocks_per_sm(K: int, G: int) -> int:
 
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
-def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, num_sms: int,
-          g_dtype: str = F32, a_log_dtype: Optional[str] = None, dt_bias_dtype: Optional[str] = None,
-          beta_act: int = 0):
-    """heads_per_cta as in `prepare_oneshot.build` (0 = all HV / H of a key head); num_sms: the grid is
-    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items); the in-kernel activations as in
-    `prepare_oneshot.build`."""
+def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, g_dtype: str,
+          a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int, num_sms: int):
+    """heads_per_cta and the in-kernel activations (g_dtype .. beta_act) as in `prepare_oneshot.build` (0 = all
+    HV / H of a key head); num_sms (last, as in the builds before the activations): the grid is
+    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items)."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K
     check_options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
@@ -241,8 +240,8 @@ def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torc
                  num_sms: int = _tl.DEFAULT_NUM_SMS, options: tuple = (F32, None, None, 0)) -> tuple:
     """The `build` arguments (its compile-cache key) for one call; num_sms: the GPU's SM count (the grid); options:
     `prepare_common.option_args` (default: g fp32 log decays, beta as given)."""
-    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), int(num_sms),
-            *options)
+    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), *options,
+            int(num_sms))
 
 
 def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log, dt_bias, cu_seqlens: torch.Tensor,

@@ -418,7 +418,7 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
 
     On the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens: partitions that are
     not their sequence's last have exactly L full chunks): no host synchronisation, so CUDA graphs capture it and
-    replay it with new lengths; ~24 small kernels with `keys_normalized`, ~28 without (the key norms: one read of k).
+    replay it with new lengths; ~25 small kernels with `keys_normalized`, ~30 without (the key norms: one read of k).
     """
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]

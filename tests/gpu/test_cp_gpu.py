@@ -115,20 +115,26 @@ def test_auto_splits_a_long_sequence_on_few_heads(monkeypatch):
     assert_close("ht", ht, ht0, tol=2e-2)
 
 
+def _capture(fn):
+    """(graph, outputs): `fn` called once on a side stream (the warm-up), then captured there."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(graph, stream=s):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph, out
+
+
 def test_cp_graph_replays_with_new_lengths(monkeypatch):
     """The plan lives on the device: a graph captured with CP replays with other lengths (same N and T) and
     gives what an eager call with those lengths gives."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
     x = make_inputs(GRAPH, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(s):
-            chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=4)       # warm-up
-            with torch.cuda.graph(graph, stream=s):
-                o_g, ht_g = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=4)
-        torch.cuda.current_stream().wait_stream(s)
+        graph, (o_g, ht_g) = _capture(lambda: chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=4))
         graph.replay()
         torch.cuda.synchronize()
         o_e, ht_e = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=4)
@@ -256,14 +262,7 @@ def test_cp_warmup_graph_replays_with_new_lengths(monkeypatch):
     x = make_inputs(WARM_GRAPH, dtype=torch.bfloat16, device="cuda")
     other = make_inputs(WARM_GRAPH, dtype=torch.bfloat16, device="cuda", seed=1)
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(s):
-            chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8)       # warm-up
-            with torch.cuda.graph(graph, stream=s):
-                o_g, ht_g = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8)
-        torch.cuda.current_stream().wait_stream(s)
+        graph, (o_g, ht_g) = _capture(lambda: chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=8))
         for cu, gates in (([0, 10, 4000, 5001], x["g"]), ([0, 2500, 2600, 4900], other["g"] * 0.5),
                           ([0, 0, 5001, 5001], other["g"] * 3.0)):
             x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
@@ -385,14 +384,7 @@ def test_cp_forward_backward_graph_replays_with_new_lengths(monkeypatch):
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
         return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        step()                                                                     # warm-up
-        with torch.cuda.graph(graph, stream=s):
-            g_graph = step()
-    torch.cuda.current_stream().wait_stream(s)
+    graph, g_graph = _capture(step)
     assert calls == [4, 4]
     graph.replay()
     torch.cuda.synchronize()

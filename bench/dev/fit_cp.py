@@ -3,15 +3,16 @@
 Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf16, K = V = 128, h0 given):
 
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
-  over the partitions (the cost of each of CP's three launches at K = V), the serial and the log-depth scan, the
+  over the partitions (the cost of each of CP's three launches at K = V), the torch and the kernel scans, the
   zero values of the M pass, the warm-up's decision (`cp.windows`) and its E pass (the windows) and M pass (the
   fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
-  `context_parallel=L` (warm-up as the defaults give bf16: on) and with the warm-up off (``FLASHDELTA_CP_WARMUP=0``:
-  the exact path), and with the automatic choice (cu_seqlens_cpu given);
+  `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
+  (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
   `cp_model._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to
-  the log-depth ones, `HBM_GBPS` to the zero fill and `WARMUP_US` to the decision (the mean over the rows; the
-  measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
+  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `HBM_GBPS` to the zero fill and
+  `WARMUP_US` to the decision (the mean over the rows; the measured fallback share and window length print beside
+  `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
@@ -185,6 +186,7 @@ def main():
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
     pass_rows, pass_y, serial_scan, log_scan, zero_fill, windows_us, table = [], [], [], [], [], [], []
+    kernel_scan = []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
         f"{n}={getattr(cp_model, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US",
                                                 "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS", "WARMUP_US",
@@ -218,6 +220,7 @@ def main():
                 steps[f"pass_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.chunk_fwd(
                     q, k, v, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale))
                 steps[f"scan_serial_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_serial(M, E, plan, h0)
+                steps[f"scan_kernel_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_states(M, E, plan, h0, "kernel")
                 steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
                 # the warm-up: its decision alone, and the M and E passes over the fallback heads and the windows
                 steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
@@ -248,6 +251,9 @@ def main():
                     pass_y.append(us[f"pass_L{L}"])
                 if f"scan_serial_L{L}" in us:
                     serial_scan.append((plan.J, us[f"scan_serial_L{L}"]))
+                if f"scan_kernel_L{L}" in us:
+                    kernel_scan.append((plan.J, cp_model._kernel_step_us(N, HV, 128) / cp_model.SCAN_KERNEL_STEP_US,
+                                        us[f"scan_kernel_L{L}"]))
                 if f"scan_log_L{L}" in us:
                     levels = math.ceil(math.log2(plan.J)) if plan.J > 1 else 0
                     log_scan.append((levels, levels * 2.0 * plan.P * HV * 128 * 256, us[f"scan_log_L{L}"]))
@@ -295,6 +301,9 @@ def main():
     if len(serial_scan) >= 2:
         a, step = _lstsq([[1.0, j] for j, _ in serial_scan], [t for _, t in serial_scan])
         fit.update(SCAN_STEP_US=step, scan_serial_fixed_us=a)
+    if len(kernel_scan) >= 2:     # SCAN_KERNEL_US + (J - 1) x tile factor x SCAN_KERNEL_STEP_US
+        a, step = _lstsq([[1.0, (j - 1) * f] for j, f, _ in kernel_scan], [t for *_, t in kernel_scan])
+        fit.update(SCAN_KERNEL_US=a, SCAN_KERNEL_STEP_US=step)
     if len(log_scan) >= 3:
         a, level, per_flop = _lstsq([[1.0, lv, fl] for lv, fl, _ in log_scan], [t for *_, t in log_scan])
         fit.update(SCAN_LEVEL_US=level, SCAN_TFLOPS=(1e-6 / per_flop if per_flop > 0 else float("inf")),

@@ -266,15 +266,16 @@ def chunk_gated_delta_rule(
             except where the forward's gate-driven warm-up applies (docs/algorithm.md §4.4): a value head whose
             gates decay a partition's last chunks to a summed log decay <= -10 (every token of the partition with
             ``0 <= beta ||k||^2 <= 2``) takes the next start state from those chunks alone, dropping at most
-            ``exp(-10)`` of the state entering them (the backward stays exact). None (default): the ``FLASHDELTA_CP`` environment variable (``auto``, ``0``, ``1``, or a
-            partition length in chunks >= 2), default ``auto``: a cost model splits each pass where it predicts a
-            gain on a native (GPU) backend, from the shapes and the host lengths (cu_seqlens_cpu, or the validated
-            copy of cu_seqlens). False: never. True: always, at the cost models' partition lengths. An int >= 1:
-            partitions of that many chunks in both passes. CP runs the forward's own kernels (value widths V and
-            K, every SM90 head dim); where the backend lacks one, the serial path runs. The warm-up follows the
-            ``FLASHDELTA_CP_WARMUP`` environment variable: ``auto`` (default: on for bf16 / fp16 q where the cost
-            model predicts it faster; fp32 and float64 stay exact), ``0`` (off: exact), ``1`` (on at -10 for any
-            dtype), or a negative number (on, with that summed log decay as the threshold).
+            ``exp(-10)`` of the state entering them (the backward stays exact). None (default): the
+            ``FLASHDELTA_CP`` environment variable (``auto``, ``0``, ``1``, or a partition length in chunks >= 2),
+            default ``auto``: a cost model splits each pass where it predicts a gain on a native (GPU) backend, from
+            the shapes and the host lengths (cu_seqlens_cpu, or the validated copy of cu_seqlens). False: never.
+            True: always, at the cost models' partition lengths. An int >= 1: partitions of that many chunks in both
+            passes. CP runs the forward's own kernels (value widths V and K, every SM90 head dim); where the backend
+            lacks one, the serial path runs. The warm-up follows the ``FLASHDELTA_CP_WARMUP`` environment variable:
+            ``auto`` (default: on for bf16 / fp16 q where the cost model predicts it faster; fp32 and float64 stay
+            exact), ``0`` (off: exact), ``1`` (on at -10 for any dtype), or a negative number (on, with that summed
+            log decay as the threshold).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.

@@ -489,17 +489,19 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
 
 def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bool = False) -> Optional[float]:
     """The warm-up threshold of one call (None: the exact path): `warmup_threshold` of the plan's request at q's
-    dtype; under ``auto`` only where the pass's model predicts the warm-up faster at the plan's L, for ``P - N``
-    partitions that are not their sequence's last (forward, `cp_model.warmup_pays`) or first (`backward`,
-    `cp_model.warmup_pays_bwd`), host ints: exact for dense input, the most the tokens allow for varlen."""
+    dtype; under ``auto`` only where the pass's model predicts the warm-up faster at the plan's L, for ``min(P, N J)
+    - N`` partitions that are not their sequence's last (forward, `cp_model.warmup_pays`) or first (`backward`,
+    `cp_model.warmup_pays_bwd`), host ints: exact for dense input and one sequence, the most the tokens allow for
+    varlen."""
     thr = warmup_threshold(plan.warmup, q.dtype)
     if thr is None or plan.warmup != "auto":
         return thr
     sms = num_sms(q.device)
+    P = min(plan.P, plan.N * plan.J)            # partitions: at most P slots, at most J per sequence
     if backward:
-        pays = cp_model.warmup_pays_bwd(parts={plan.L: plan.P}, cont={plan.L: plan.P - plan.N}, HV=HV, sms=sms)
+        pays = cp_model.warmup_pays_bwd(parts={plan.L: P}, cont={plan.L: P - plan.N}, HV=HV, sms=sms)
     else:
-        pays = cp_model.warmup_pays(inner=plan.P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=sms)
+        pays = cp_model.warmup_pays(inner=P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=sms)
     return thr if pays else None
 
 

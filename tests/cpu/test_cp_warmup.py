@@ -629,9 +629,10 @@ def test_api_warmup_gradients_within_the_threshold(case, L, thr, monkeypatch):
     x = make_inputs(case, dtype=torch.float32)
     x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
     calls = []
-    real_f, real_b = cp.cp_chunk_fwd, cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: calls.append(("fwd", kw["plan"].warmup)) or real_f(*a, **kw))
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(("bwd", kw["plan"].warmup)) or real_b(*a, **kw))
+    for tag in ("fwd", "bwd"):
+        real = getattr(cp, f"cp_chunk_{tag}")
+        monkeypatch.setattr(cp, f"cp_chunk_{tag}", lambda *a, tag=tag, real=real, **kw: calls.append(
+            (tag, kw["plan"].warmup)) or real(*a, **kw))
     ser = _grads(x, False)
     monkeypatch.setenv(cp.ENV_WARMUP, str(thr))
     warm = _grads(x, L)

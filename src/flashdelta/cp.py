@@ -413,6 +413,28 @@ class Windows(NamedTuple):
         return torch.where(n > 0, self.suffix.gather(1, torch.clamp_min(n - 1, 0)[:, None]).squeeze(1), 0.0)
 
 
+def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized: bool,
+                 inside: Optional[Tensor] = None) -> Tensor:
+    """``[P, HV]`` bool: whether every token of each partition (`toks`, ``[P x n]`` token indices, n per partition;
+    `inside` ``[P x n, 1]``: which of them count, None: all) has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the norm
+    bound's condition, docs/algorithm.md §4.2; NaN: no). `keys_normalized`: ``||k||^2 <= NORMALIZED_KEY_NORM2``
+    taken for granted, beta alone is read; else the key norms (one read of k)."""
+    HV = beta.shape[-1]
+    b = beta[0].index_select(0, toks)                                                            # [P n, HV]
+    limit = CONTRACTION_LIMIT
+    if keys_normalized:
+        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
+    else:
+        H = k.shape[2]
+        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
+        nk = nk.index_select(0, toks)
+        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
+    if inside is not None:
+        b = torch.where(inside, b, b.new_zeros(()))
+    lo, hi = torch.aminmax(b.view(P, -1, HV), dim=1)
+    return (lo >= 0) & (hi <= limit)
+
+
 def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
             keys_normalized: bool = False) -> Windows:
     """Per partition (not its sequence's last) and value head, the shortest suffix of its chunks whose summed log
@@ -444,18 +466,8 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     G = g_cumsum[0].index_select(0, toks).view(P, L, BT, HV)[:, :, 0]
     suffix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
     ok = suffix <= threshold
-    b = beta[0].index_select(0, toks)                                                            # [P L 64, HV]
-    limit = CONTRACTION_LIMIT
-    if keys_normalized:
-        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
-    else:
-        H = k.shape[2]
-        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
-        nk = nk.index_select(0, toks)
-        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
-    lo, hi = torch.aminmax(b.view(P, L * BT, HV), dim=1)
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & (lo >= 0) & (hi <= limit) & inner                                   # NaN: no
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized) & inner
     fallback = inner ^ reach
     skip_e = torch.where(reach, (L - 1 - first).to(torch.int32), walk)
     return Windows(skip_e=skip_e, skip_m=torch.where(fallback, 0, none), fallback=fallback, suffix=suffix,
@@ -600,21 +612,10 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     prefix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
     ok = prefix <= threshold
     toks = bos + torch.arange(L * BT, device=dev)                                               # [P, 64 L]
-    inside = (toks < eos).view(-1, 1)
+    inside = (toks < eos).view(-1, 1)                     # tokens past the partition's end are not its own
     toks = torch.clamp_max(toks, T - 1).view(-1)
-    b = beta[0].index_select(0, toks)                                                            # [P L 64, HV]
-    limit = CONTRACTION_LIMIT
-    if keys_normalized:
-        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
-    else:
-        H = k.shape[2]
-        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
-        nk = nk.index_select(0, toks)
-        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
-    b = torch.where(inside, b, b.new_zeros(()))           # tokens past the partition's end: not its own
-    lo, hi = torch.aminmax(b.view(P, L * BT, HV), dim=1)
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & (lo >= 0) & (hi <= limit) & cont                                    # NaN: no
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside) & cont
     take = torch.where(reach, (first + 1).to(torch.int32), every)
     return GradWindows(take=take, fallback=cont & ~reach, prefix=prefix, threshold=float(threshold))
 

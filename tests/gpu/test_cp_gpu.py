@@ -310,18 +310,23 @@ def _cp_grads(x, cpv, do, dht):
     return o, _loss_grads(x, o, ht, do, dht)
 
 
+def _bwd_inputs(case, with_dht: bool):
+    """(inputs, do, dht or None) of a backward case, bf16 on the GPU."""
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    N = len(case.seqlens)
+    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
+    return x, do, torch.randn(shape, generator=gen, device="cuda") if with_dht else None
+
+
 @pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
 def test_cp_backward_matches_recurrence_and_serial(i, monkeypatch):
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     case, L = BWD_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    N = len(case.seqlens)
-    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
-    dht = torch.randn(shape, generator=gen, device="cuda") if i % 2 == 0 else None
+    x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
     calls = []
     real = cp.cp_chunk_bwd
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
@@ -376,33 +381,42 @@ def test_auto_splits_the_backward_alone(monkeypatch):
 
 
 BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
+BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 
-def test_cp_forward_backward_graph_replays_with_new_lengths(monkeypatch):
+@pytest.mark.parametrize("warm", [False, True], ids=["exact", "warmup"])
+def test_cp_forward_backward_graph_replays_with_new_lengths(warm, monkeypatch):
     """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
     with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
-    rounding."""
+    rounding. With the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1, benchmark gates: the backward's windows
+    on the device) the replays also take new gates."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    x = make_inputs(BWD_GRAPH, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    monkeypatch.setenv(cp.ENV_WARMUP, "1" if warm else "auto")
+    case = BWD_WARM_GRAPH if warm else BWD_GRAPH
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    other = make_inputs(case, dtype=torch.bfloat16, device="cuda", seed=1)
     leaves = [x[n] for n in GRAD_INPUTS]
     gen = torch.Generator(device="cuda").manual_seed(5)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
     calls = []
     real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw["plan"].warmup)) or real(
+        *a, **kw))
 
     def step(cpv=4):
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
         return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
 
     graph, g_graph = _capture(step)
-    assert calls == [4, 4]
+    assert calls == [(4, "on" if warm else "auto")] * 2
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
-    for cu in ([0, 10, 4000, 5001], [0, 0, 5001, 5001], [0, 2500, 2600, 4900]):   # new lengths, same N and T
+    gates = (x["g"].detach().clone(), other["g"] * 0.5, other["g"] * 3.0) if warm else (x["g"].detach().clone(),) * 3
+    for cu, g in zip(([0, 10, 4000, 5001], [0, 0, 5001, 5001], [0, 2500, 2600, 4900]), gates):   # same N and T
         with torch.no_grad():
             x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
+            x["g"].copy_(g)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu
@@ -465,12 +479,7 @@ def test_cp_backward_warmup_matches_recurrence_exact_and_serial(i, monkeypatch):
 
     case, L = BWD_WARM_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    N = len(case.seqlens)
-    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
-    dht = torch.randn(shape, generator=gen, device="cuda") if i % 2 == 0 else None
+    x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
     plans = []
     real = cp.cp_chunk_bwd
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: plans.append(kw["plan"]) or real(*a, **kw))
@@ -504,39 +513,3 @@ def test_cp_backward_warmup_matches_recurrence_exact_and_serial(i, monkeypatch):
     if case.pad:
         for n in ("q", "k", "v", "g", "beta"):
             assert torch.all(warm[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"
-
-
-BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
-
-
-def test_cp_backward_warmup_graph_replays_with_new_lengths(monkeypatch):
-    """Forward + backward with the warm-up on in both passes captured in one CUDA graph (the backward's windows on
-    the device, no host synchronisation), replayed with new lengths and gates (same N and T): the gradients equal an
-    eager step's, and CP off's to rounding."""
-    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    monkeypatch.setenv(cp.ENV_WARMUP, "1")
-    x = make_inputs(BWD_WARM_GRAPH, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    other = make_inputs(BWD_WARM_GRAPH, dtype=torch.bfloat16, device="cuda", seed=1)
-    leaves = [x[n] for n in GRAD_INPUTS]
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    calls = []
-    real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].warmup) or real(*a, **kw))
-
-    def step(cpv=4):
-        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
-        return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
-
-    graph, g_graph = _capture(step)
-    assert calls == ["on", "on"]
-    for cu, gates in (([0, 10, 4000, 5001], x["g"]), ([0, 2500, 2600, 4900], other["g"] * 0.5),
-                      ([0, 0, 5001, 5001], other["g"] * 3.0)):
-        with torch.no_grad():
-            x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
-            x["g"].copy_(gates.clone())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu
-        for name, a, b in zip(("o",) + tuple(GRAD_NAMES[n] for n in GRAD_INPUTS), g_graph, step(False)):
-            assert_close(name, a, b, tol=2e-2)

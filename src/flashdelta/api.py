@@ -266,7 +266,8 @@ def chunk_gated_delta_rule(
             except where the forward's gate-driven warm-up applies (docs/algorithm.md §4.4): a value head whose
             gates decay a partition's last chunks to a summed log decay <= -10 (every token of the partition with
             ``0 <= beta ||k||^2 <= 2``) takes the next start state from those chunks alone, dropping at most
-            ``exp(-10)`` of the state entering them (the backward stays exact). None (default): the
+            ``exp(-10)`` of the state entering them; the backward's end gradients likewise, from the next
+            partition's first such chunks (its start states stay exact). None (default): the
             ``FLASHDELTA_CP`` environment variable (``auto``, ``0``, ``1``, or a partition length in chunks >= 2),
             default ``auto``: a cost model splits each pass where it predicts a gain on a native (GPU) backend, from
             the shapes and the host lengths (cu_seqlens_cpu, or the validated copy of cu_seqlens). False: never.

@@ -45,6 +45,7 @@ from . import _tl
 
 F32 = "float32"
 BV = 32                 # value columns per CTA: one warp, one column per thread
+ILP = 4                 # partial sums of each pass-1 dot product (dependency chains of K / ILP FMAs, not K)
 THREADS = BV
 # Key dims the kernel supports: the state column is K fp32 registers per thread (128 at K = 128, no spills).
 SUPPORTED_K = (64, 128)
@@ -156,16 +157,18 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
                 if gk_dtype is not None:
                     e_s[tx * KL + j] = T.exp(T.cast(gk[b64, t64, i_hv, tx * KL + j], F32))
             T.sync_threads()
-            # ---- pass 1: Sd = d S; Sd^T k, Sd^T q ----
-            acc[3] = 0.0
-            acc[4] = 0.0
+            # ---- pass 1: Sd = d S; Sd^T k, Sd^T q (in ILP partial sums: short dependency chains) ----
+            for j in T.unroll(2 * ILP):
+                acc[5 + j] = 0.0                                                # Sd^T k parts, then Sd^T q parts
             for kk in T.unroll(K):
                 if gk_dtype is not None:
                     s[kk] = s[kk] * (sc[0] * e_s[kk])
                 else:
                     s[kk] = s[kk] * sc[0]
-                acc[3] = acc[3] + s[kk] * k_s[kk]
-                acc[4] = acc[4] + s[kk] * q_s[kk]
+                acc[5 + kk % ILP] = acc[5 + kk % ILP] + s[kk] * k_s[kk]
+                acc[5 + ILP + kk % ILP] = acc[5 + ILP + kk % ILP] + s[kk] * q_s[kk]
+            acc[3] = (acc[5] + acc[6]) + (acc[7] + acc[8])
+            acc[4] = (acc[9] + acc[10]) + (acc[11] + acc[12])
             sc[3] = sc[1] * (sc[2] - acc[3])                                  # u
             o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
             # ---- pass 2: S = Sd + k u^T ----
@@ -212,7 +215,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
             q_s = T.alloc_shared((K,), F32)
             e_s = T.alloc_shared((K,), F32) if gk_dtype is not None else None
             hc = T.alloc_local((VH,), h0_dtype if h0_dtype is not None else F32)
-            acc = T.alloc_local((5,), F32)
+            acc = T.alloc_local((5 + 2 * ILP,), F32)
             sc = T.alloc_local((4,), F32)
             n64 = T.cast(i_n, "int64")
             if varlen:

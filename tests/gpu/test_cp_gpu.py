@@ -103,7 +103,10 @@ GRAPH = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 
 
 def test_auto_splits_a_long_sequence_on_few_heads(monkeypatch):
-    """2/8 1x32768: auto splits (at the L the model picks with the warm-up) and runs the warm-up."""
+    """2/8 1x32768: auto splits at the L the cost model picks, takes the warm-up exactly where the model says it
+    pays (`cp_model.warmup_pays`), and agrees with the serial path."""
+    from flashdelta import cp_model
+
     monkeypatch.delenv(cp.ENV_CP, raising=False)
     monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
     x = make_inputs(AUTO_FWD, dtype=torch.bfloat16, device="cuda")
@@ -113,8 +116,14 @@ def test_auto_splits_a_long_sequence_on_few_heads(monkeypatch):
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
         o0, ht0 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
-    assert len(calls) == 1 and calls[0][0].L > 0
-    assert cp._threshold(calls[0][0], calls[0][1], AUTO_FWD.HV, AUTO_FWD.K, AUTO_FWD.V) == cp.WARMUP_THRESHOLD
+    sms = cp.num_sms(x["q"].device)
+    T, (HV, K, V) = AUTO_FWD.seqlens[0], (AUTO_FWD.HV, AUTO_FWD.K, AUTO_FWD.V)
+    L = cp_model.choose(T=T, N=1, HV=HV, K=K, V=V, sms=sms, lengths=[T], warmup=True)
+    assert len(calls) == 1 and calls[0][0].L == L > 0, ([c[0].L for c in calls], L)
+    plan = calls[0][0]
+    P = min(plan.P, plan.N * plan.J)
+    pays = cp_model.warmup_pays(inner=P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=sms)
+    assert cp._threshold(plan, calls[0][1], HV, K, V) == (cp.WARMUP_THRESHOLD if pays else None)
     assert_close("o", o, o0, tol=2e-2)
     assert_close("ht", ht, ht0, tol=2e-2)
 

@@ -252,12 +252,12 @@ class CPPlan(NamedTuple):
 
 
 def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None, chunk_size: int = BT,
-              warmup=None) -> CPPlan:
+              warmup=None, kset=None) -> CPPlan:
     """Cut every sequence into partitions of L chunks (the last takes the remainder; an empty sequence gives one
-    empty partition), as `reference.cp.partition` does, on cu_seqlens' device with torch ops only (no host
-    synchronisation). `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`:
-    the warm-up request of the pass the plan serves (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default
-    auto)."""
+    empty partition), as `reference.cp.partition` does, on cu_seqlens' device without host synchronisation: one
+    launch of `kernels.cp_plan` where the CP passes run on the SM90 kernel set `kset` (a CUDA cu_seqlens), else
+    torch ops. `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`: the
+    warm-up request of the pass the plan serves (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default auto)."""
     warmup = parse_warmup(warmup)
     if L < 1:
         raise ValueError(f"L: partitions need >= 1 chunk, got {L}")
@@ -267,6 +267,13 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     N = cu_seqlens.shape[0] - 1
     W = L * BT
     P, J = bounds(T, N, L, seq_len)
+    if cu_seqlens.is_cuda and N >= 1 and kset is not None and kset.name == "sm90":
+        from .kernels import cp_plan  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        part_cu, seq, pos, first, last_index, step_index = cp_plan.plan_tensors(
+            cu_seqlens.to(torch.int32), L, P, J)
+        return CPPlan(L=int(L), P=P, J=J, N=N, regular=seq_len is not None, cu=part_cu, seq=seq, pos=pos,
+                      first=first, last_index=last_index, step_index=step_index, warmup=warmup)
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     nparts = torch.clamp_min(torch.div(lens + (W - 1), W, rounding_mode="floor"), 1)            # [N]
@@ -758,11 +765,13 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
-    it takes (K, V)."""
-    from .kernels import chunk_bwd, chunk_dstate, cp_scan, fused_fwd  # noqa: PLC0415 - TileLang only where listed
+    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan)."""
+    from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
+                          fused_fwd)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
-    todo = fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
+    todo = cp_plan.launcher_builds()
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
     todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
     if backward:

@@ -1,7 +1,7 @@
 """CP (`flashdelta.cp`) on the sm90 backend, through the public API.
 
 Forward: CP on vs off against the float64 reference (with the bf16 PyTorch baseline), the plan against the
-reference's partition, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
+reference's partition and the plan kernel against the torch plan, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
 gate-driven warm-up (on by default for bf16): the fused forward's `chunk_skip` builds against the float64 twin, the
 windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
 (4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
@@ -96,6 +96,34 @@ def test_cp_matches_reference_and_serial(case, L, monkeypatch):
     cu = x["cu_seqlens"] if case.varlen else torch.arange(B + 1, dtype=torch.int32) * T
     want = rcp.partition(cu.cpu(), L)
     assert calls[0].cu[:want.P + 1].tolist() == list(want.cu_seqlens)
+
+
+PLAN_CASES = [
+    # (sequence lengths, T (tokens of the flat input; >= their sum), L, dense)
+    ((32768,), 32768, 64, False),
+    ((3000, 1, 700, 0, 130, 64), 3900, 4, False),          # empty and 1-token sequences, a padding tail
+    ((0,), 100, 2, False),                                 # one empty sequence
+    ((0, 0, 0), 0, 1, False),
+    ((128 * 64, 64, 5000), 13256, 128, False),             # an exact multiple of the partition
+    ((2048, 2048), 4096, 8, True),                          # dense
+    (tuple([37] * 700 + [70000]), 95900, 16, False),       # many short sequences and one long (3 per thread)
+]
+
+
+@pytest.mark.parametrize("lengths,T,L,dense", PLAN_CASES, ids=[f"{len(c[0])}seq-L{c[2]}" for c in PLAN_CASES])
+def test_plan_kernel_matches_the_torch_plan(lengths, T, L, dense):
+    """`kernels.cp_plan` (the plan of the SM90 path) gives exactly the torch ops' plan, every field and slot."""
+    from flashdelta.kernels import sm90
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seq_len = lengths[0] if dense else None
+    got = cp.make_plan(cu, T, L, seq_len=seq_len, kset=sm90.KERNELS)
+    want = cp.make_plan(cu, T, L, seq_len=seq_len)
+    torch.cuda.synchronize()
+    assert (got.P, got.J, got.N, got.regular) == (want.P, want.J, want.N, want.regular)
+    for name in ("cu", "seq", "pos", "first", "last_index", "step_index"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
 
 
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)

@@ -235,7 +235,8 @@ class CPPlan(NamedTuple):
     (starts its sequence, or unused), ``last_index [N]`` int64 each sequence's last partition, ``step_index [J, N]``
     int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the pass's
     warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call from q's
-    dtype and, under ``auto``, each pass's cost model (`cp_chunk_fwd`, `cp_chunk_bwd`).
+    dtype and, under ``auto``, each pass's cost model (`cp_chunk_fwd`, `cp_chunk_bwd`). ``scan_cu`` (the plan
+    kernel's; None: computed when needed): the scan kernel's ``[N + 1]`` int32 offsets (`_part_cu`).
     """
     L: int
     P: int
@@ -249,6 +250,7 @@ class CPPlan(NamedTuple):
     last_index: Tensor
     step_index: Tensor
     warmup: object = "auto"
+    scan_cu: Optional[Tensor] = None
 
 
 def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None, chunk_size: int = BT,
@@ -270,10 +272,10 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     if cu_seqlens.is_cuda and N >= 1 and kset is not None and kset.name == "sm90":
         from .kernels import cp_plan  # noqa: PLC0415 - TileLang only where the kernel runs
 
-        part_cu, seq, pos, first, last_index, step_index = cp_plan.plan_tensors(
+        part_cu, seq, pos, first, last_index, step_index, scan_cu = cp_plan.plan_tensors(
             cu_seqlens.to(torch.int32), L, P, J)
         return CPPlan(L=int(L), P=P, J=J, N=N, regular=seq_len is not None, cu=part_cu, seq=seq, pos=pos,
-                      first=first, last_index=last_index, step_index=step_index, warmup=warmup)
+                      first=first, last_index=last_index, step_index=step_index, warmup=warmup, scan_cu=scan_cu)
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     nparts = torch.clamp_min(torch.div(lens + (W - 1), W, rounding_mode="floor"), 1)            # [N]
@@ -373,7 +375,9 @@ def _kernel_scan(x: Tensor, kset) -> bool:
 
 
 def _part_cu(plan: CPPlan) -> Tensor:
-    """``[N + 1]`` int32: 0, then each sequence's last slot + 1 (the scan kernel's offsets)."""
+    """``[N + 1]`` int32: 0, then each sequence's last slot + 1 (the scan kernel's offsets; the plan kernel's own)."""
+    if plan.scan_cu is not None:
+        return plan.scan_cu
     return torch.cat([plan.last_index.new_zeros(1), plan.last_index + 1]).to(torch.int32)
 
 

@@ -124,6 +124,7 @@ def test_plan_kernel_matches_the_torch_plan(lengths, T, L, dense):
     for name in ("cu", "seq", "pos", "first", "last_index", "step_index"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert want.scan_cu is None and torch.equal(cp._part_cu(got), cp._part_cu(want))
 
 
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)

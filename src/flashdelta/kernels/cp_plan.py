@@ -7,8 +7,8 @@ Every sequence n of ``len_n`` tokens is cut into ``np_n = max(ceil(len_n / W), 1
 ``[ps_n, ps_n + np_n)``, ``ps_n`` the exclusive prefix sum of np. Outputs (`cp.CPPlan`'s device tensors):
 ``part_cu [P + 1]`` int32 (slot s of sequence n, position j: ``cu_seqlens[n] + j W``; unused slots and the end:
 ``cu_seqlens[N]``), ``seq [P]`` int64 (unused slots: N - 1), ``pos [P]`` int64 (unused: 0), ``first [P]`` (pos == 0,
-as uint8), ``last_index [N]`` int64 (``ps_n + np_n - 1``) and ``step_index [J, N]`` int64 (``ps_n + j`` for
-``j < np_n``, else P).
+as uint8), ``last_index [N]`` int64 (``ps_n + np_n - 1``), ``step_index [J, N]`` int64 (``ps_n + j`` for
+``j < np_n``, else P) and ``scan_cu [N + 1]`` int32 (0, then ``ps_n + np_n``: the scan kernel's offsets).
 
 One CTA of `THREADS` threads: thread t takes sequences ``[t m, t m + m)``, m = ceil(N / THREADS): it adds their
 partition counts, thread 0 turns the THREADS sums into exclusive offsets in shared memory, and every thread walks
@@ -42,6 +42,7 @@ def build():
         first: T.Tensor((P_,), "uint8"),
         last_index: T.Tensor((N_,), I64),
         step_index: T.Tensor((J_, N_), I64),
+        scan_cu: T.Tensor((N_ + 1,), I32),
         W: T.int32,
     ):
         with T.Kernel(1, threads=THREADS) as _:
@@ -72,6 +73,7 @@ def build():
                     np_ = T.max(T.ceildiv(cu_seqlens[n + 1] - bos, W), 1)
                     ps = run[0]
                     last_index[n] = T.cast(ps + np_ - 1, I64)
+                    scan_cu[n + 1] = ps + np_
                     for j in T.serial(J_):
                         step_index[j, n] = T.cast(T.if_then_else(j < np_, ps + j, P_), I64)
                     for j in T.serial(np_):
@@ -91,6 +93,8 @@ def build():
                         part_cu[s] = end
                 if s == P_:
                     part_cu[s] = end
+            if tx == 0:
+                scan_cu[0] = 0
 
     return cp_plan_kernel
 
@@ -106,7 +110,7 @@ def launcher_builds() -> list:
 
 
 def plan_tensors(cu_seqlens: torch.Tensor, L: int, P: int, J: int) -> tuple:
-    """``(part_cu, seq, pos, first, last_index, step_index)`` of L-chunk partitions of the sequences of
+    """``(part_cu, seq, pos, first, last_index, step_index, scan_cu)`` of L-chunk partitions of the sequences of
     `cu_seqlens` (``[N + 1]`` int32 on the GPU, N >= 1), in P slots and J scan steps (`cp.bounds`); ``first`` bool.
     One launch, no host synchronisation."""
     N = cu_seqlens.shape[0] - 1
@@ -118,5 +122,6 @@ def plan_tensors(cu_seqlens: torch.Tensor, L: int, P: int, J: int) -> tuple:
     first = torch.empty(P, dtype=torch.uint8, device=dev)
     last_index = torch.empty(N, dtype=torch.int64, device=dev)
     step_index = torch.empty(J, N, dtype=torch.int64, device=dev)
-    build(*builder_args())(cu_seqlens.contiguous(), part_cu, seq, pos, first, last_index, step_index, L * BT)
-    return part_cu, seq, pos, first.view(torch.bool), last_index, step_index
+    scan_cu = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    build(*builder_args())(cu_seqlens.contiguous(), part_cu, seq, pos, first, last_index, step_index, scan_cu, L * BT)
+    return part_cu, seq, pos, first.view(torch.bool), last_index, step_index, scan_cu

@@ -496,15 +496,15 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     T, HV = v.shape[1], v.shape[2]
     K = k.shape[-1]
     eye = torch.eye(K, dtype=state_dtype, device=v.device)
-    zeros = v.new_zeros(1, T, HV, K)
+    zeros = v.new_empty(1, T, HV, K)                 # the M pass's values: zero_values (never read, never filled)
     if windows is None:
         _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
-                         scale=scale, state_v_first=False)
+                         scale=scale, state_v_first=False, zero_values=True)
         _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
         return M, E
     start = torch.where(windows.fallback[:, :, None, None], eye, eye.new_zeros(()))               # [P, HV, K, K]
     _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_m)
+                     chunk_skip=windows.skip_m, zero_values=True)
     _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
                      chunk_skip=windows.skip_e)
     return M, E
@@ -777,10 +777,11 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     todo = cp_plan.launcher_builds()
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
-    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
+    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
+                zero_values=True)
     if backward:
         todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,))
-        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))

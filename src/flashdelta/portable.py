@@ -324,14 +324,17 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, chunk_skip=None, compute_dtype=None, operand_dtype=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
     `chunk_skip` (context parallelism's internal passes, `flashdelta.cp`): None, or an integer ``[N, HV]`` tensor;
     sequence n's value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
     initial state, so its final state is the state after its last chunk of a walk over the chunks from there. o on
-    the skipped chunks is unspecified. Applied on the device (a mask per step), no host read."""
+    the skipped chunks is unspecified. Applied on the device (a mask per step), no host read. `zero_values`: the
+    values are zero (context parallelism's M pass); v gives only its shape and dtype."""
+    if zero_values:
+        v = torch.zeros_like(v)
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]

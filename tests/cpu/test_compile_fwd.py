@@ -116,9 +116,9 @@ def test_kernel_set_by_keyword():
 
 # ----------------------------------------------------------------------------------------- CP's chunk_skip builds
 
-SKIP_BUILDS = {   # the M pass (identity start, width K) and the E pass (zero start) at 2/8, K = V = 128
-    "M-h0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True,
-                                        False) + (False, True),
+SKIP_BUILDS = {   # the M pass (identity start, zero values, width K) and the E pass (zero start) at 2/8, K = V = 128
+    "M-h0-skip-zero_v": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                               True, False) + (False, True, True),
     "E-noh0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, False,
                                           False) + (False, True),
 }
@@ -126,8 +126,9 @@ SKIP_BUILDS = {   # the M pass (identity start, width K) and the E pass (zero st
 
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
-    under their own cache keys (the default builds' arguments are unchanged), they compile for sm_90a, pass the hang
-    checks, read `skip [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame)."""
+    under their own cache keys (the default builds' arguments are unchanged), the M pass's also with zero values
+    (`zero_values=True`: no v read, so no v tensor map); they compile for sm_90a, pass the hang checks, read
+    `skip [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
     from _builds import hang_checks, ptxas_report
@@ -137,7 +138,10 @@ def test_chunk_skip_builds_compile(tmp_path):
     assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
                                                             torch.float32, SCALE, h0, False) + extra
                                      for h0 in (True, False) for extra in ((), (False, True))]
-    assert [a for _, _, a in lb][1::2] == list(SKIP_BUILDS.values())
+    assert lb[3][2] == SKIP_BUILDS["E-noh0-skip"]
+    zv = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                   initial_state=(True,), chunk_skip=(True,), zero_values=True)
+    assert [a for _, _, a in zv] == [SKIP_BUILDS["M-h0-skip-zero_v"]] and zv[0][0].endswith(" skip zero_v")
     assert fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE) == \
         lb[::2][::-1], "the default list is the builds without the flag"
     with concurrent.futures.ThreadPoolExecutor(len(SKIP_BUILDS)) as pool:
@@ -147,5 +151,6 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert hang_checks(src, kernel.get_host_source()) == [], name
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "const int* __restrict__ skip" in sig, name
+        assert ("v_desc" in sig) == ("zero_v" not in name), name
         report = ptxas_report(src, tmp_path, name)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -87,14 +87,17 @@ TABLE = timeline.Table(
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False):
+          has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False,
+          zero_v: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
     the backward. chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk
     at chunk ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state
     after the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
-    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). Without it the kernel is unchanged."""
+    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). zero_v: the values are zero (context
+    parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
+    once. Without either flag the kernel is unchanged."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -113,6 +116,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
+    v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
 
     def walk_start(bos, eos, skip, i_n, i_hv):
         # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (clamped, so that no product
@@ -269,7 +273,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     def chunk_fwd_kernel(
         q: T.Tensor((1, T_, H, K), dtype),
         k: T.Tensor((1, T_, H, K), dtype),
-        v: T.Tensor((1, T_, HV, V), dtype),
+        v: v_t,
         g: T.Tensor((1, T_, HV), acc),
         beta: T.Tensor((1, T_, HV), beta_dtype),
         A: T.Tensor((1, T_, HV, BT), dtype),
@@ -420,12 +424,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     T.set_max_nreg(40, 0)
                     if tx < 288:
                         # load warp: v and A once the slot's v/A part is free, q and k once all of it is
+                        if zero_v:
+                            # zero values: every slot's v tile is zero for the whole walk (the first arrival on
+                            # full publishes it; the prep warpgroup's ragged-row zeroing keeps it zero)
+                            for s_, i, j in T.Parallel(NS, BT, BV):
+                                v_s[s_, i, j] = T.cast(0, dtype)
+                            T.fence_proxy_async()
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
                             T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.empty")
-                            T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                            if not zero_v:
+                                T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
@@ -462,18 +473,30 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
-                    chunk_skip=(False,)) -> list:
+                    chunk_skip=(False,), zero_values=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
-    builds with the per-(sequence, head) start chunk, which only context parallelism launches, `cp.builds`)."""
+    builds with the per-(sequence, head) start chunk) and `zero_values` (the zero-value builds) are what only context
+    parallelism launches (`cp.builds`)."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
             args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
-            out += [(label + " skip", build, args + (False, True)) if skip else (label, build, args)
-                    for skip in chunk_skip]
+            for skip in chunk_skip:
+                flags = _flags(False, skip, zero_values)
+                out.append((label + (" skip" if skip else "") + (" zero_v" if zero_values else ""), build,
+                            args + flags))
     return out
+
+
+def _flags(save_states: bool, chunk_skip: bool, zero_v: bool) -> tuple:
+    """The trailing `build` arguments of these flags, as short as the defaults allow (the default builds keep the
+    cache keys they had before the flags existed)."""
+    flags = (save_states, chunk_skip, zero_v)
+    while flags and not flags[-1]:
+        flags = flags[:-1]
+    return flags
 
 
 def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
@@ -485,7 +508,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64, chunk_skip=None):
+              chunk_size=64, chunk_skip=None, zero_values=False):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -499,13 +522,16 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
             initial state. For context parallelism's internal passes only (`flashdelta.cp`): o on the skipped
             chunks is unspecified, and the final state is the state after the sequence's last chunk.
+        zero_values: the values are taken to be zero and v is not read (only its shape counts): context
+            parallelism's M pass, without a zero tensor to fill and read.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
     o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip)
+                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip,
+                       zero_values=zero_values)
     return o, ht
 
 
@@ -520,9 +546,9 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            save_states, chunk_skip=None):
-    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip` as `chunk_fwd` takes it
-    (not with save_states)."""
+            save_states, chunk_skip=None, zero_values=False):
+    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip` and `zero_values` as
+    `chunk_fwd` takes them (not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -551,13 +577,12 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
-    tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
-               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    assert not (zero_values and save_states), "zero_values: chunk_fwd only"
+    vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
+    tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
+               h0.contiguous(), cu_seqlens, o, ht)
+    extra = (hs,) if hs is not None else ()
     if chunk_skip is not None:
-        build(*args, False, True)(*tensors, chunk_skip)
-        return o, ht, None
-    if hs is None:
-        build(*args)(*tensors)
-        return o, ht, None
-    build(*args, True)(*tensors, hs)
-    return o, hs, ht
+        extra += (chunk_skip,)
+    build(*args, *_flags(save_states, chunk_skip is not None, zero_values))(*tensors, *extra)
+    return (o, hs, ht) if hs is not None else (o, ht, None)

@@ -499,14 +499,15 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     zeros = v.new_empty(1, T, HV, K)                 # the M pass's values: zero_values (never read, never filled)
     if windows is None:
         _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
-                         scale=scale, state_v_first=False, zero_values=True)
-        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
+                         scale=scale, state_v_first=False, zero_values=True, states_only=True)
+        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
+                         states_only=True)
         return M, E
     start = torch.where(windows.fallback[:, :, None, None], eye, eye.new_zeros(()))               # [P, HV, K, K]
     _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_m, zero_values=True)
+                     chunk_skip=windows.skip_m, zero_values=True, states_only=True)
     _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_e)
+                     chunk_skip=windows.skip_e, states_only=True)
     return M, E
 
 
@@ -775,13 +776,15 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
     todo = cp_plan.launcher_builds()
-    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
+                states_only=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
     todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
-                zero_values=True)
+                zero_values=True, states_only=True)
     if backward:
-        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,))
-        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), states_only=True)
+        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True,
+                    states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))

@@ -324,7 +324,8 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, chunk_skip=None, zero_values=False, compute_dtype=None, operand_dtype=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, compute_dtype=None,
+              operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
@@ -332,7 +333,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     sequence n's value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
     initial state, so its final state is the state after its last chunk of a walk over the chunks from there. o on
     the skipped chunks is unspecified. Applied on the device (a mask per step), no host read. `zero_values`: the
-    values are zero (context parallelism's M pass); v gives only its shape and dtype."""
+    values are zero (context parallelism's M pass); v gives only its shape and dtype. `states_only`: o is returned
+    as None (context parallelism's M and E passes)."""
     if zero_values:
         v = torch.zeros_like(v)
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
@@ -351,12 +353,13 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     tril = _tril(lay.BT, q.device)
     for c, (ids, seqs) in enumerate(lay.steps):
         O, S1 = _fwd_step(qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S[seqs],
-                          scale=scale, rnd=rnd, tril=tril, need_o=True)
-        oc[ids] = O
+                          scale=scale, rnd=rnd, tril=tril, need_o=not states_only)
+        if not states_only:
+            oc[ids] = O
         if chunk_skip is not None:              # heads that start later keep their initial state through chunk c
             S1 = torch.where((chunk_skip[seqs].to(q.device) <= c)[:, :, None, None], S1, S[seqs])
         S[seqs] = S1
-    o = _scatter(oc, lay, v.dtype)
+    o = None if states_only else _scatter(oc, lay, v.dtype)
     return o, _state_out(S, state_v_first, _state_dtype(cd))
 
 

@@ -2,7 +2,7 @@
 
 Forward: CP on vs off against the float64 reference (with the bf16 PyTorch baseline), the plan against the
 reference's partition and the plan kernel against the torch plan, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
-gate-driven warm-up: the fused forward's `chunk_skip` and `zero_values` builds against the float64 twin and zero v, the
+gate-driven warm-up: the fused forward's `chunk_skip` builds against the float64 twin, CP's summary builds against the full pass, the
 windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
 (4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
 Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
@@ -196,9 +196,10 @@ def _flat_inputs(x):
     return flat(x["q"]), flat(x["k"]), flat(x["v"]), flat(x["g"]), flat(x["beta"]), cu
 
 
-def test_zero_values_builds_equal_zero_values():
-    """The M pass's `zero_values` builds (no v read) give bit for bit what the same pass gives a zero v tensor, with
-    and without `chunk_skip`, from the identity start (CP's M) over ragged partitions."""
+def test_summary_builds_equal_the_full_pass():
+    """CP's summary builds (`zero_values`: no v read; `states_only`: no o) give bit for bit the final states the
+    full pass gives a zero v tensor (M, from the identity) or v (E, from zero), with and without `chunk_skip`, over
+    ragged partitions; the full pass's o is unchanged by the flags' existence."""
     from flashdelta.kernels import fused_fwd, prepare
 
     x = make_inputs(SKIP_CASE, dtype=torch.bfloat16, device="cuda")
@@ -207,14 +208,19 @@ def test_zero_values_builds_equal_zero_values():
     N, HV, K = cu.shape[0] - 1, SKIP_CASE.HV, SKIP_CASE.K
     eye = torch.eye(K, device="cuda").expand(N, HV, K, K).contiguous()
     zeros = v.new_zeros(1, v.shape[1], HV, K)
+    nan = torch.full_like(zeros, float("nan"))
     skip = torch.randint(0, 14, (N, HV), generator=torch.Generator().manual_seed(3), dtype=torch.int32).cuda()
     for chunk_skip in (None, skip):
         kw = dict(scale=K ** -0.5, chunk_skip=chunk_skip)
-        o0, m0 = fused_fwd.chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye, cu, **kw)
-        o1, m1 = fused_fwd.chunk_fwd(q, k, torch.empty_like(zeros).fill_(float("nan")), g_cumsum, beta, A, eye, cu,
-                                     zero_values=True, **kw)
-        assert torch.equal(m0, m1), "M"
-        assert torch.equal(o0, o1) if chunk_skip is None else torch.isfinite(o1).all()
+        _, m0 = fused_fwd.chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye, cu, **kw)
+        for states_only in (False, True):
+            o1, m1 = fused_fwd.chunk_fwd(q, k, nan, g_cumsum, beta, A, eye, cu, zero_values=True,
+                                         states_only=states_only, **kw)
+            assert torch.equal(m0, m1), ("M", states_only)
+            assert (o1 is None) == states_only
+        _, e0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, **kw)
+        o2, e1 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, states_only=True, **kw)
+        assert o2 is None and torch.equal(e0, e1), "E"
 
 
 def test_chunk_skip_kernel_matches_the_float64_twin():

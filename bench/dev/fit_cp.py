@@ -3,7 +3,8 @@
 Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf16, K = V = 128, h0 given):
 
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
-  over the partitions (the cost of each of CP's three launches at K = V), the torch and the kernel scans, the
+  over the partitions (the output pass; the model's unit for all three launches at K = V), the summary passes as CP
+  launches them (E and M with `states_only`, M with `zero_values`) and the plan (the kernel and the torch ops), the torch and the kernel scans, the
   zero values of the M pass, the warm-up's decision (`cp.windows`) and its E pass (the windows) and M pass (the
   fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
@@ -194,7 +195,7 @@ def main():
         return bwd_main(args)
 
     from flashdelta import chunk_gated_delta_rule, cp, cp_model
-    from flashdelta.kernels import fused_fwd, prepare
+    from flashdelta.kernels import fused_fwd, prepare, sm90
 
     dev = torch.device("cuda")
     sms = cp.num_sms(dev)
@@ -234,15 +235,25 @@ def main():
                 zeros = v.new_zeros(1, T, HV, 128)
                 steps[f"pass_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.chunk_fwd(
                     q, k, v, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale))
+                # the summary passes as CP launches them (final states only; the M pass without a v tensor)
+                steps[f"pass_states_L{L}"] = (lambda plan=plan: fused_fwd.chunk_fwd(
+                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, states_only=True))
+                steps[f"pass_m_states_L{L}"] = (lambda plan=plan, H0=H0, zeros=zeros: fused_fwd.chunk_fwd(
+                    q, k, zeros, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale, zero_values=True,
+                    states_only=True))
+                steps[f"plan_kernel_L{L}"] = lambda L=L: cp.make_plan(cu, T, L, kset=sm90.KERNELS)
+                steps[f"plan_torch_L{L}"] = lambda L=L: cp.make_plan(cu, T, L)
                 steps[f"scan_serial_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_serial(M, E, plan, h0)
                 steps[f"scan_kernel_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_states(M, E, plan, h0, "kernel")
                 steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
                 # the warm-up: its decision alone, and the M and E passes over the fallback heads and the windows
                 steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
                 steps[f"pass_e_warm_L{L}"] = (lambda plan=plan, win=win: fused_fwd.chunk_fwd(
-                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e))
+                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e,
+                    states_only=True))
                 steps[f"pass_m_warm_L{L}"] = (lambda plan=plan, win=win, I0=I0, zeros=zeros: fused_fwd.chunk_fwd(
-                    q, k, zeros, g_cumsum, beta, A, I0, plan.cu, scale=inp.scale, chunk_skip=win.skip_m))
+                    q, k, zeros, g_cumsum, beta, A, I0, plan.cu, scale=inp.scale, chunk_skip=win.skip_m,
+                    zero_values=True, states_only=True))
                 steps[f"api_L{L}"] = (lambda L=L: chunk_gated_delta_rule(
                     q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L))
                 steps[f"api_exact_L{L}"] = (lambda L=L: _with_env(cp.ENV_WARMUP, "off", lambda: chunk_gated_delta_rule(
@@ -277,6 +288,11 @@ def main():
                 p = cp.predict(T=T, N=N, HV=HV, K=128, V=128, L=L, sms=sms, lengths=list(seqlens), warmup=True)
                 win = wins[L]
                 fb = win.fallback.float().mean().item()
+                print(f"  L{L}: full pass {us.get(f'pass_L{L}', float('nan')):.1f} us, states-only E "
+                      f"{us.get(f'pass_states_L{L}', float('nan')):.1f}, "
+                      f"M {us.get(f'pass_m_states_L{L}', float('nan')):.1f}; "
+                      f"plan kernel {us.get(f'plan_kernel_L{L}', float('nan')):.1f} torch "
+                      f"{us.get(f'plan_torch_L{L}', float('nan')):.1f}")
                 print(f"  L{L}: windows {us.get(f'windows_L{L}', float('nan')):.1f} us (model {p['warmup_us']:.1f}), "
                       f"fallback share {fb:.2f} (model {cp_model.WARMUP_FALLBACK}), mean window "
                       f"{win.n(L)[~win.fallback & (win.n(L) > 0)].float().mean().item():.2f} chunks (model "

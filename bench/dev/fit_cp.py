@@ -3,17 +3,16 @@
 Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf16, K = V = 128, h0 given):
 
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
-  over the partitions (the output pass; the model's unit for all three launches at K = V), the summary passes as CP
-  launches them (E and M with `states_only`, M with `zero_values`) and the plan (the kernel and the torch ops), the torch and the kernel scans, the
-  zero values of the M pass, the warm-up's decision (`cp.windows`) and its E pass (the windows) and M pass (the
-  fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
+  over the partitions (the output pass), the summary passes as CP launches them (E and M with `states_only`, M with
+  `zero_values`), the plan (the kernel and the torch ops), the torch and the kernel scans, the warm-up's decision
+  (`cp.windows`) and its E pass (the windows) and M pass (the fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
   (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
   `cp_model._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to
-  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `HBM_GBPS` to the zero fill and
-  `WARMUP_US` to the decision (the mean over the rows; the measured fallback share and window length print beside
-  `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
+  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `SUMMARY_CHUNK_FACTOR` to the
+  states-only passes over the full ones and `WARMUP_US` to the decision (the mean over the rows; the measured
+  fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
@@ -201,11 +200,12 @@ def main():
     sms = cp.num_sms(dev)
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
-    pass_rows, pass_y, serial_scan, log_scan, zero_fill, windows_us, table = [], [], [], [], [], [], []
+    pass_rows, pass_y, serial_scan, log_scan, summary_ratio, windows_us, table = [], [], [], [], [], [], []
     kernel_scan = []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
         f"{n}={getattr(cp_model, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US",
-                                                "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS", "WARMUP_US",
+                                                "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "SUMMARY_CHUNK_FACTOR",
+                                                "WARMUP_US",
                                                 "WARMUP_FALLBACK", "WARMUP_CHUNKS")))
     for hh in args.heads:
         H, HV = map(int, hh.split("/"))
@@ -220,8 +220,7 @@ def main():
                      "api_off": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
                                                                output_final_state=True, context_parallel=False),
                      "api_auto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                                                cu_seqlens_cpu=inp.cu_host, output_final_state=True),
-                     "zeros": lambda: v.new_zeros(1, T, HV, 128)}
+                                                                cu_seqlens_cpu=inp.cu_host, output_final_state=True)}
             plans, wins = {}, {}
             for L in args.L:
                 if L >= -(-max(seqlens) // 64):
@@ -270,11 +269,12 @@ def main():
             # fit data
             pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, 0)], sms))
             pass_y.append(us["serial_pass"])
-            zero_fill.append((T * HV * 128 * 2, us["zeros"]))
             for L, plan in plans.items():
                 if f"pass_L{L}" in us:
                     pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, L)], sms))
                     pass_y.append(us[f"pass_L{L}"])
+                    if f"pass_states_L{L}" in us:       # the states-only pass over the same CTAs (E from zero)
+                        summary_ratio.append(us[f"pass_states_L{L}"] / us[f"pass_L{L}"])
                 if f"scan_serial_L{L}" in us:
                     serial_scan.append((plan.J, us[f"scan_serial_L{L}"]))
                 if f"scan_kernel_L{L}" in us:
@@ -339,10 +339,8 @@ def main():
         a, level, per_flop = _lstsq([[1.0, lv, fl] for lv, fl, _ in log_scan], [t for *_, t in log_scan])
         fit.update(SCAN_LEVEL_US=level, SCAN_TFLOPS=(1e-6 / per_flop if per_flop > 0 else float("inf")),
                    scan_log_fixed_us=a)
-    if zero_fill:
-        b = sum(x for x, _ in zero_fill)
-        t = sum(y for _, y in zero_fill)
-        fit.update(HBM_GBPS=b / (t * 1e3))
+    if summary_ratio:
+        fit.update(SUMMARY_CHUNK_FACTOR=sum(summary_ratio) / len(summary_ratio))
     if windows_us:
         fit.update(WARMUP_US=sum(windows_us) / len(windows_us))
     print("\nfitted constants (paste into src/flashdelta/cp.py):")

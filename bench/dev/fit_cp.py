@@ -3,16 +3,16 @@
 Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf16, K = V = 128, h0 given):
 
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
-  over the partitions (the cost of each of CP's three launches at K = V), the torch and the kernel scans, the
-  zero values of the M pass, the warm-up's decision (`cp.windows`) and its E pass (the windows) and M pass (the
-  fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
+  over the partitions (the output pass), the summary passes as CP launches them (E and M with `states_only`, M with
+  `zero_values`), the plan (the kernel and the torch ops), the torch and the kernel scans, the warm-up's decision
+  (`cp.windows`) and its E pass (the windows) and M pass (the fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
   (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
   `cp_model._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to
-  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `HBM_GBPS` to the zero fill and
-  `WARMUP_US` to the decision (the mean over the rows; the measured fallback share and window length print beside
-  `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
+  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `SUMMARY_CHUNK_FACTOR` to the
+  states-only passes over the full ones and `WARMUP_US` to the decision (the mean over the rows; the measured
+  fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
@@ -194,17 +194,18 @@ def main():
         return bwd_main(args)
 
     from flashdelta import chunk_gated_delta_rule, cp, cp_model
-    from flashdelta.kernels import fused_fwd, prepare
+    from flashdelta.kernels import fused_fwd, prepare, sm90
 
     dev = torch.device("cuda")
     sms = cp.num_sms(dev)
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
-    pass_rows, pass_y, serial_scan, log_scan, zero_fill, windows_us, table = [], [], [], [], [], [], []
+    pass_rows, pass_y, serial_scan, log_scan, summary_ratio, windows_us, table = [], [], [], [], [], [], []
     kernel_scan = []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
         f"{n}={getattr(cp_model, n)}" for n in ("CHUNK_US_IDLE", "CHUNK_US_FULL", "ITEM_US", "LAUNCH_US",
-                                                "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "HBM_GBPS", "WARMUP_US",
+                                                "SCAN_STEP_US", "SCAN_LEVEL_US", "SCAN_TFLOPS", "SUMMARY_CHUNK_FACTOR",
+                                                "WARMUP_US",
                                                 "WARMUP_FALLBACK", "WARMUP_CHUNKS")))
     for hh in args.heads:
         H, HV = map(int, hh.split("/"))
@@ -219,8 +220,7 @@ def main():
                      "api_off": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
                                                                output_final_state=True, context_parallel=False),
                      "api_auto": lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                                                cu_seqlens_cpu=inp.cu_host, output_final_state=True),
-                     "zeros": lambda: v.new_zeros(1, T, HV, 128)}
+                                                                cu_seqlens_cpu=inp.cu_host, output_final_state=True)}
             plans, wins = {}, {}
             for L in args.L:
                 if L >= -(-max(seqlens) // 64):
@@ -234,15 +234,25 @@ def main():
                 zeros = v.new_zeros(1, T, HV, 128)
                 steps[f"pass_L{L}"] = (lambda plan=plan, H0=H0: fused_fwd.chunk_fwd(
                     q, k, v, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale))
+                # the summary passes as CP launches them (final states only; the M pass without a v tensor)
+                steps[f"pass_states_L{L}"] = (lambda plan=plan: fused_fwd.chunk_fwd(
+                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, states_only=True))
+                steps[f"pass_m_states_L{L}"] = (lambda plan=plan, H0=H0, zeros=zeros: fused_fwd.chunk_fwd(
+                    q, k, zeros, g_cumsum, beta, A, H0, plan.cu, scale=inp.scale, zero_values=True,
+                    states_only=True))
+                steps[f"plan_kernel_L{L}"] = lambda L=L: cp.make_plan(cu, T, L, kset=sm90.KERNELS)
+                steps[f"plan_torch_L{L}"] = lambda L=L: cp.make_plan(cu, T, L)
                 steps[f"scan_serial_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_serial(M, E, plan, h0)
                 steps[f"scan_kernel_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_states(M, E, plan, h0, "kernel")
                 steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
                 # the warm-up: its decision alone, and the M and E passes over the fallback heads and the windows
                 steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
                 steps[f"pass_e_warm_L{L}"] = (lambda plan=plan, win=win: fused_fwd.chunk_fwd(
-                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e))
+                    q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e,
+                    states_only=True))
                 steps[f"pass_m_warm_L{L}"] = (lambda plan=plan, win=win, I0=I0, zeros=zeros: fused_fwd.chunk_fwd(
-                    q, k, zeros, g_cumsum, beta, A, I0, plan.cu, scale=inp.scale, chunk_skip=win.skip_m))
+                    q, k, zeros, g_cumsum, beta, A, I0, plan.cu, scale=inp.scale, chunk_skip=win.skip_m,
+                    zero_values=True, states_only=True))
                 steps[f"api_L{L}"] = (lambda L=L: chunk_gated_delta_rule(
                     q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True, context_parallel=L))
                 steps[f"api_exact_L{L}"] = (lambda L=L: _with_env(cp.ENV_WARMUP, "off", lambda: chunk_gated_delta_rule(
@@ -259,11 +269,12 @@ def main():
             # fit data
             pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, 0)], sms))
             pass_y.append(us["serial_pass"])
-            zero_fill.append((T * HV * 128 * 2, us["zeros"]))
             for L, plan in plans.items():
                 if f"pass_L{L}" in us:
                     pass_rows.append(_pass_row([(c, n * HV * 2) for c, n in _items(seqlens, L)], sms))
                     pass_y.append(us[f"pass_L{L}"])
+                    if f"pass_states_L{L}" in us:       # the states-only pass over the same CTAs (E from zero)
+                        summary_ratio.append(us[f"pass_states_L{L}"] / us[f"pass_L{L}"])
                 if f"scan_serial_L{L}" in us:
                     serial_scan.append((plan.J, us[f"scan_serial_L{L}"]))
                 if f"scan_kernel_L{L}" in us:
@@ -277,6 +288,11 @@ def main():
                 p = cp.predict(T=T, N=N, HV=HV, K=128, V=128, L=L, sms=sms, lengths=list(seqlens), warmup=True)
                 win = wins[L]
                 fb = win.fallback.float().mean().item()
+                print(f"  L{L}: full pass {us.get(f'pass_L{L}', float('nan')):.1f} us, states-only E "
+                      f"{us.get(f'pass_states_L{L}', float('nan')):.1f}, "
+                      f"M {us.get(f'pass_m_states_L{L}', float('nan')):.1f}; "
+                      f"plan kernel {us.get(f'plan_kernel_L{L}', float('nan')):.1f} torch "
+                      f"{us.get(f'plan_torch_L{L}', float('nan')):.1f}")
                 print(f"  L{L}: windows {us.get(f'windows_L{L}', float('nan')):.1f} us (model {p['warmup_us']:.1f}), "
                       f"fallback share {fb:.2f} (model {cp_model.WARMUP_FALLBACK}), mean window "
                       f"{win.n(L)[~win.fallback & (win.n(L) > 0)].float().mean().item():.2f} chunks (model "
@@ -323,10 +339,8 @@ def main():
         a, level, per_flop = _lstsq([[1.0, lv, fl] for lv, fl, _ in log_scan], [t for *_, t in log_scan])
         fit.update(SCAN_LEVEL_US=level, SCAN_TFLOPS=(1e-6 / per_flop if per_flop > 0 else float("inf")),
                    scan_log_fixed_us=a)
-    if zero_fill:
-        b = sum(x for x, _ in zero_fill)
-        t = sum(y for _, y in zero_fill)
-        fit.update(HBM_GBPS=b / (t * 1e3))
+    if summary_ratio:
+        fit.update(SUMMARY_CHUNK_FACTOR=sum(summary_ratio) / len(summary_ratio))
     if windows_us:
         fit.update(WARMUP_US=sum(windows_us) / len(windows_us))
     print("\nfitted constants (paste into src/flashdelta/cp.py):")

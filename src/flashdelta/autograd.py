@@ -153,7 +153,7 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     L = cp.resolve_code(context_parallel, kset=ks, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, N=N,
                         varlen=cu_seqlens is not None)
     if L:
-        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
+        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T, kset=ks)
         # l2-normalised keys: the warm-up's condition reads beta alone (`cp.windows`)
         o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                                 state_v_first=state_v_first, plan=parts, backends=plan, keys_normalized=use_qk_l2norm)
@@ -208,7 +208,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     L = cp.resolve_code(context_parallel, kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T,
                         HV=HV, K=K, V=V, N=N, varlen=cu_seqlens is not None, backward=True, bwd_kset=ks)
     if L:
-        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
+        parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T, kset=ks)
         dq, dk, dv, dbeta, dG, dh0 = cp.cp_chunk_bwd(qf, kf, vf, g_cumsum, bf, A, initial_state, _flat(do), dht, cu,
                                                      scale=scale, state_v_first=state_v_first, plan=parts,
                                                      backends=plan, keys_normalized=use_qk_l2norm)

@@ -235,7 +235,8 @@ class CPPlan(NamedTuple):
     (starts its sequence, or unused), ``last_index [N]`` int64 each sequence's last partition, ``step_index [J, N]``
     int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the pass's
     warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call from q's
-    dtype and, under ``auto``, each pass's cost model (`cp_chunk_fwd`, `cp_chunk_bwd`).
+    dtype and, under ``auto``, each pass's cost model (`cp_chunk_fwd`, `cp_chunk_bwd`). ``scan_cu`` (the plan
+    kernel's; None: computed when needed): the scan kernel's ``[N + 1]`` int32 offsets (`_part_cu`).
     """
     L: int
     P: int
@@ -249,15 +250,16 @@ class CPPlan(NamedTuple):
     last_index: Tensor
     step_index: Tensor
     warmup: object = "auto"
+    scan_cu: Optional[Tensor] = None
 
 
 def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None, chunk_size: int = BT,
-              warmup=None) -> CPPlan:
+              warmup=None, kset=None) -> CPPlan:
     """Cut every sequence into partitions of L chunks (the last takes the remainder; an empty sequence gives one
-    empty partition), as `reference.cp.partition` does, on cu_seqlens' device with torch ops only (no host
-    synchronisation). `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`:
-    the warm-up request of the pass the plan serves (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default
-    auto)."""
+    empty partition), as `reference.cp.partition` does, on cu_seqlens' device without host synchronisation: one
+    launch of `kernels.cp_plan` where the CP passes run on the SM90 kernel set `kset` (a CUDA cu_seqlens), else
+    torch ops. `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`: the
+    warm-up request of the pass the plan serves (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default auto)."""
     warmup = parse_warmup(warmup)
     if L < 1:
         raise ValueError(f"L: partitions need >= 1 chunk, got {L}")
@@ -267,6 +269,13 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     N = cu_seqlens.shape[0] - 1
     W = L * BT
     P, J = bounds(T, N, L, seq_len)
+    if cu_seqlens.is_cuda and N >= 1 and kset is not None and kset.name == "sm90":
+        from .kernels import cp_plan  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        part_cu, seq, pos, first, last_index, step_index, scan_cu = cp_plan.plan_tensors(
+            cu_seqlens.to(torch.int32), L, P, J)
+        return CPPlan(L=int(L), P=P, J=J, N=N, regular=seq_len is not None, cu=part_cu, seq=seq, pos=pos,
+                      first=first, last_index=last_index, step_index=step_index, warmup=warmup, scan_cu=scan_cu)
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     nparts = torch.clamp_min(torch.div(lens + (W - 1), W, rounding_mode="floor"), 1)            # [N]
@@ -366,7 +375,9 @@ def _kernel_scan(x: Tensor, kset) -> bool:
 
 
 def _part_cu(plan: CPPlan) -> Tensor:
-    """``[N + 1]`` int32: 0, then each sequence's last slot + 1 (the scan kernel's offsets)."""
+    """``[N + 1]`` int32: 0, then each sequence's last slot + 1 (the scan kernel's offsets; the plan kernel's own)."""
+    if plan.scan_cu is not None:
+        return plan.scan_cu
     return torch.cat([plan.last_index.new_zeros(1), plan.last_index + 1]).to(torch.int32)
 
 
@@ -485,17 +496,18 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     T, HV = v.shape[1], v.shape[2]
     K = k.shape[-1]
     eye = torch.eye(K, dtype=state_dtype, device=v.device)
-    zeros = v.new_zeros(1, T, HV, K)
+    zeros = v.new_empty(1, T, HV, K)                 # the M pass's values: zero_values (never read, never filled)
     if windows is None:
         _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
-                         scale=scale, state_v_first=False)
-        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False)
+                         scale=scale, state_v_first=False, zero_values=True, states_only=True)
+        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
+                         states_only=True)
         return M, E
     start = torch.where(windows.fallback[:, :, None, None], eye, eye.new_zeros(()))               # [P, HV, K, K]
     _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_m)
+                     chunk_skip=windows.skip_m, zero_values=True, states_only=True)
     _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_e)
+                     chunk_skip=windows.skip_e, states_only=True)
     return M, E
 
 
@@ -758,16 +770,21 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
-    it takes (K, V)."""
-    from .kernels import chunk_bwd, chunk_dstate, cp_scan, fused_fwd  # noqa: PLC0415 - TileLang only where listed
+    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan)."""
+    from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
+                          fused_fwd)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
-    todo = fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,))
+    todo = cp_plan.launcher_builds()
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
+                states_only=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
-    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
+    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
+                zero_values=True, states_only=True)
     if backward:
-        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,))
-        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), states_only=True)
+        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True,
+                    states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))

@@ -37,7 +37,10 @@ SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
 SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
 SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
-HBM_GBPS = 3500.0               # write rate of the M pass's zero values (GB/s)
+# the M and E passes run states-only builds (no Q K^T, Pg, O^T, q loads or o stores: `chunk_fwd(states_only=True)`):
+# their per-chunk time over the full pass's; a prediction (two of the state warpgroup's four GEMMs, the prep
+# warpgroup's Q K^T and Pg pass and the store warp's work go) until bench/dev/fit_cp.py measures it
+SUMMARY_CHUNK_FACTOR = 0.75
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
 # with the warm-up the expected CP time assumes this share of the value heads falls back to the exact path (whole
 # partitions in the M and E passes: the benchmark gates' g = 0 heads) and the rest needs WARMUP_CHUNKS chunks (-3.2
@@ -97,6 +100,13 @@ def _launch_us(items: list, slots: int, idle: float, full: float, item: float, l
 def _pass_us(items: list, sms: int) -> float:
     """One fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us`, one CTA per SM at a time)."""
     return _launch_us(items, sms, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US, LAUNCH_US)
+
+
+def _summary_pass_us(items: list, sms: int) -> float:
+    """One states-only fused-forward launch (CP's M or E pass) over `items`: `_pass_us` at `SUMMARY_CHUNK_FACTOR`
+    of the per-chunk time."""
+    f = SUMMARY_CHUNK_FACTOR
+    return _launch_us(items, sms, CHUNK_US_IDLE * f, CHUNK_US_FULL * f, ITEM_US, LAUNCH_US)
 
 
 def _bwd_pass_us(items: list, sms: int) -> float:
@@ -200,9 +210,9 @@ def _summary_us(inner: int, HV: int, K: int, V: int, L: int, sms: int, warmup: b
     of the E pass)."""
     NV, NK = max(1, V // 64), max(1, K // 64)
     if not warmup:
-        return _pass_us([(L, inner * HV * NK)], sms), _pass_us([(L, inner * HV * NV)], sms)
+        return _summary_pass_us([(L, inner * HV * NK)], sms), _summary_pass_us([(L, inner * HV * NV)], sms)
     hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))          # fallback heads
-    return _pass_us([(L, inner * hf * NK)], sms), _pass_us(
+    return _summary_pass_us([(L, inner * hf * NK)], sms), _summary_pass_us(
         [(L, inner * hf * NV), (min(WARMUP_CHUNKS, L), inner * (HV - hf) * NV)], sms)
 
 
@@ -234,13 +244,12 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
     exact = sum(_summary_us(inner, HV, K, V, L, sms, False))
     out = _pass_us([(ch, n * HV * NV) for ch, n in parts.items()], sms)
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
-    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
     warm = bool(warmup) and warmup_pays(inner=inner, HV=HV, K=K, V=V, L=L, sms=sms)
     m, e = _summary_us(inner, HV, K, V, L, sms, warm)
     fixed = WARMUP_US if warm else 0.0
-    rest = out + scan_us + zeros + fixed
+    rest = out + scan_us + fixed
     return dict(serial=serial, cp=m + e + rest, cp_worst=exact + rest, warmup=warm, m=m, e=e, warmup_us=fixed,
-                out=out, scan=scan_us, scan_method=scan, zeros=zeros, P=P, J=J)
+                out=out, scan=scan_us, scan_method=scan, P=P, J=J)
 
 
 def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
@@ -264,20 +273,19 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
     parts = _parts(chunks, L).items()
     P, J = bounds(T, N, L, seq_len)
-    m = _pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
-    e = _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
+    m = _summary_pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
+    e = _summary_pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
-    zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
-    states = RECOMPUTE_FACTOR * e
+    states = RECOMPUTE_FACTOR * _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
     exact = _start_us(dict(parts), HV, sms)
     cont = _first_parts(chunks, L)
     warm = bool(warmup) and warmup_pays_bwd(parts=dict(parts), cont=cont, HV=HV, sms=sms)
     start = _start_us(dict(parts), HV, sms, cont) if warm else exact
     fixed = WARMUP_BWD_US if warm else 0.0
-    rest = m + e + zeros + 2 * scan_us + states + bwd + BWD_FIXED_US + fixed
+    rest = m + e + 2 * scan_us + states + bwd + BWD_FIXED_US + fixed
     return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd,
-                cp=rest + start, cp_worst=rest + exact, warmup=warm, warmup_us=fixed, m=m, e=e, zeros=zeros,
+                cp=rest + start, cp_worst=rest + exact, warmup=warm, warmup_us=fixed, m=m, e=e,
                 scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J)
 
 

@@ -331,14 +331,19 @@ def _check_chunk_counts(name: str, counts: Optional[Tensor], N: int, HV: int) ->
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, chunk_skip=None, compute_dtype=None, operand_dtype=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, compute_dtype=None,
+              operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
     `chunk_skip` (context parallelism's internal passes, `flashdelta.cp`): None, or an integer ``[N, HV]`` tensor;
     sequence n's value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
     initial state, so its final state is the state after its last chunk of a walk over the chunks from there. o on
-    the skipped chunks is unspecified. Applied on the device (a mask per step), no host read."""
+    the skipped chunks is unspecified. Applied on the device (a mask per step), no host read. `zero_values`: the
+    values are zero (context parallelism's M pass); v gives only its shape and dtype. `states_only`: o is returned
+    as None (context parallelism's M and E passes)."""
+    if zero_values:
+        v = torch.zeros_like(v)
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
     rnd = _rounder(cd, operand_dtype)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
@@ -353,12 +358,13 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     tril = _tril(lay.BT, q.device)
     for c, (ids, seqs) in enumerate(lay.steps):
         O, S1 = _fwd_step(qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S[seqs],
-                          scale=scale, rnd=rnd, tril=tril, need_o=True)
-        oc[ids] = O
+                          scale=scale, rnd=rnd, tril=tril, need_o=not states_only)
+        if not states_only:
+            oc[ids] = O
         if chunk_skip is not None:              # heads that start later keep their initial state through chunk c
             S1 = torch.where((chunk_skip[seqs].to(q.device) <= c)[:, :, None, None], S1, S[seqs])
         S[seqs] = S1
-    o = _scatter(oc, lay, v.dtype)
+    o = None if states_only else _scatter(oc, lay, v.dtype)
     return o, _state_out(S, state_v_first, _state_dtype(cd))
 
 

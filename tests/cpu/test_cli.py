@@ -364,7 +364,7 @@ def test_cp_builds_follow_the_benchmark_grid():
 def test_warmup_option_builds_compile():
     """One of each kind of build the new options add, as `variants` lists it, compiles for sm_90a and passes the hang
     checks: prepare with the raw gate and the beta sigmoid (the activations in its source), the fused forward with
-    fp32 beta, and CP's E pass with chunk_skip."""
+    fp32 beta, and CP's E pass with chunk_skip (states only)."""
     pytest.importorskip("tilelang")
     import concurrent.futures
 
@@ -376,7 +376,7 @@ def test_warmup_option_builds_compile():
                     use_beta_sigmoid_in_kernel=True, context_parallel=True)
     pick = [next(x for x in todo if x[0].startswith("prepare_fwd")),
             next(x for x in todo if x[0].startswith("chunk_fwd")),
-            next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip"))]
+            next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip states"))]
 
     def compile_one(build):
         kernel = build[1](*build[2])

@@ -116,18 +116,20 @@ def test_kernel_set_by_keyword():
 
 # ----------------------------------------------------------------------------------------- CP's chunk_skip builds
 
-SKIP_BUILDS = {   # the M pass (identity start, width K) and the E pass (zero start) at 2/8, K = V = 128
-    "M-h0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True,
-                                        False) + (False, True),
-    "E-noh0-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, False,
-                                          False) + (False, True),
+SKIP_BUILDS = {   # CP's M pass (identity start, zero values, width K) and E pass (zero start), states only, at 2/8
+    "M-h0-skip-zero_v-states": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32,
+                                                      SCALE, True, False) + (False, True, True, True),
+    "E-noh0-skip-states": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                                 False, False) + (False, True, False, True),
 }
 
 
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
-    under their own cache keys (the default builds' arguments are unchanged), they compile for sm_90a, pass the hang
-    checks, read `skip [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame)."""
+    under their own cache keys (the default builds' arguments are unchanged), CP's M and E passes also with
+    `states_only` (no o: no q tensor map, no o row stores) and the M pass with zero values (`zero_values`: no v tensor
+    map); they compile for sm_90a, pass the hang checks, read `skip [N, HV]` int32, and ptxas keeps the default
+    build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
     from _builds import hang_checks, ptxas_report
@@ -137,7 +139,14 @@ def test_chunk_skip_builds_compile(tmp_path):
     assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
                                                             torch.float32, SCALE, h0, False) + extra
                                      for h0 in (True, False) for extra in ((), (False, True))]
-    assert [a for _, _, a in lb][1::2] == list(SKIP_BUILDS.values())
+    assert lb[3][2] == fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                              False, False) + (False, True)
+    lb_m = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                     initial_state=(True,), chunk_skip=(True,), zero_values=True, states_only=True)
+    lb_e = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
+                                     initial_state=(False,), chunk_skip=(True,), states_only=True)
+    assert [a for _, _, a in lb_m + lb_e] == list(SKIP_BUILDS.values())
+    assert lb_m[0][0].endswith(" skip zero_v states") and lb_e[0][0].endswith(" skip states")
     assert fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE) == \
         lb[::2][::-1], "the default list is the builds without the flag"
     with concurrent.futures.ThreadPoolExecutor(len(SKIP_BUILDS)) as pool:
@@ -147,5 +156,7 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert hang_checks(src, kernel.get_host_source()) == [], name
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "const int* __restrict__ skip" in sig, name
+        assert ("v_desc" in sig) == ("zero_v" not in name) and "q_desc" not in sig, name
+        assert "fd_store_rows" not in src.split("chunk_fwd_kernel_kernel(", 2)[-1], name
         report = ptxas_report(src, tmp_path, name)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -3,7 +3,8 @@ on the CPU: listed under their own cache keys where CP lists its builds (`cp.bui
 exact pass's default build, whose arguments are unchanged), they compile for sm_90a, pass the hang checks, read
 `take [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame). The two builds (~8 s
 each, compiled at once): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark rows' dims) and K = V = 64 fp16 with
-fp16 beta at 16/32. tests/gpu/test_cp_gpu.py runs them on the GPU.
+fp16 beta at 16/32. And the plan kernel (`kernels.cp_plan`): listed, compiled, checked. tests/gpu/test_cp_gpu.py
+runs them on the GPU.
 """
 import re
 
@@ -60,3 +61,20 @@ def test_take_build_compiles_within_budget(name, compiled, tmp_path):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 255, report
+
+
+def test_plan_kernel_compiles_and_is_listed(tmp_path):
+    """`kernels.cp_plan` (the SM90 path's plan, one build for every L): listed in `cp.builds`, compiles for sm_90a,
+    passes the hang checks, uses no tensor cores and keeps its counters in registers (no spills, no stack)."""
+    from flashdelta.kernels import cp_plan
+
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    assert (cp_plan.build.__name__, cp_plan.builder_args()) in keys
+    kernel = cp_plan.build(*cp_plan.builder_args())
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    assert src.count("__syncthreads()") == 2 and "wgmma" not in src
+    report = ptxas_report(src, tmp_path, "cp_plan")
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    assert re.search(r"\b0 bytes stack frame", report), report

@@ -1,8 +1,8 @@
 """CP (`flashdelta.cp`) on the sm90 backend, through the public API.
 
 Forward: CP on vs off against the float64 reference (with the bf16 PyTorch baseline), the plan against the
-reference's partition, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
-gate-driven warm-up (on by default for bf16): the fused forward's `chunk_skip` builds against the float64 twin, the
+reference's partition and the plan kernel against the torch plan, the automatic choice on a long sequence, CUDA-graph capture replayed with new lengths. The
+gate-driven warm-up: the fused forward's `chunk_skip` builds against the float64 twin, CP's summary builds against the full pass, the
 windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
 (4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
 Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
@@ -98,6 +98,35 @@ def test_cp_matches_reference_and_serial(case, L, monkeypatch):
     assert calls[0].cu[:want.P + 1].tolist() == list(want.cu_seqlens)
 
 
+PLAN_CASES = [
+    # (sequence lengths, T (tokens of the flat input; >= their sum), L, dense)
+    ((32768,), 32768, 64, False),
+    ((3000, 1, 700, 0, 130, 64), 3900, 4, False),          # empty and 1-token sequences, a padding tail
+    ((0,), 100, 2, False),                                 # one empty sequence
+    ((0, 0, 0), 0, 1, False),
+    ((128 * 64, 64, 5000), 13256, 128, False),             # an exact multiple of the partition
+    ((2048, 2048), 4096, 8, True),                          # dense
+    (tuple([37] * 700 + [70000]), 95900, 16, False),       # many short sequences and one long (3 per thread)
+]
+
+
+@pytest.mark.parametrize("lengths,T,L,dense", PLAN_CASES, ids=[f"{len(c[0])}seq-L{c[2]}" for c in PLAN_CASES])
+def test_plan_kernel_matches_the_torch_plan(lengths, T, L, dense):
+    """`kernels.cp_plan` (the plan of the SM90 path) gives exactly the torch ops' plan, every field and slot."""
+    from flashdelta.kernels import sm90
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seq_len = lengths[0] if dense else None
+    got = cp.make_plan(cu, T, L, seq_len=seq_len, kset=sm90.KERNELS)
+    want = cp.make_plan(cu, T, L, seq_len=seq_len)
+    torch.cuda.synchronize()
+    assert (got.P, got.J, got.N, got.regular) == (want.P, want.J, want.N, want.regular)
+    for name in ("cu", "seq", "pos", "first", "last_index", "step_index"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert want.scan_cu is None and torch.equal(cp._part_cu(got), cp._part_cu(want))
+
+
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)
 GRAPH = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 
@@ -174,6 +203,33 @@ def _flat_inputs(x):
                                                                            device="cuda") * T
     flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
     return flat(x["q"]), flat(x["k"]), flat(x["v"]), flat(x["g"]), flat(x["beta"]), cu
+
+
+def test_summary_builds_equal_the_full_pass():
+    """CP's summary builds (`zero_values`: no v read; `states_only`: no o) give bit for bit the final states the
+    full pass gives a zero v tensor (M, from the identity) or v (E, from zero), with and without `chunk_skip`, over
+    ragged partitions; the full pass's o is unchanged by the flags' existence."""
+    from flashdelta.kernels import fused_fwd, prepare
+
+    x = make_inputs(SKIP_CASE, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    N, HV, K = cu.shape[0] - 1, SKIP_CASE.HV, SKIP_CASE.K
+    eye = torch.eye(K, device="cuda").expand(N, HV, K, K).contiguous()
+    zeros = v.new_zeros(1, v.shape[1], HV, K)
+    nan = torch.full_like(zeros, float("nan"))
+    skip = torch.randint(0, 14, (N, HV), generator=torch.Generator().manual_seed(3), dtype=torch.int32).cuda()
+    for chunk_skip in (None, skip):
+        kw = dict(scale=K ** -0.5, chunk_skip=chunk_skip)
+        _, m0 = fused_fwd.chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye, cu, **kw)
+        for states_only in (False, True):
+            o1, m1 = fused_fwd.chunk_fwd(q, k, nan, g_cumsum, beta, A, eye, cu, zero_values=True,
+                                         states_only=states_only, **kw)
+            assert torch.equal(m0, m1), ("M", states_only)
+            assert (o1 is None) == states_only
+        _, e0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, **kw)
+        o2, e1 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, states_only=True, **kw)
+        assert o2 is None and torch.equal(e0, e1), "E"
 
 
 def test_chunk_skip_kernel_matches_the_float64_twin():

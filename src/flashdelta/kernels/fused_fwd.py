@@ -87,14 +87,19 @@ TABLE = timeline.Table(
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False):
+          has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False,
+          zero_v: bool = False, states_only: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
     the backward. chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk
     at chunk ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state
     after the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
-    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). Without it the kernel is unchanged."""
+    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). zero_v: the values are zero (context
+    parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
+    once. states_only: only the final state (context parallelism's M and E passes, whose o is discarded): no o is
+    computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs and no q loads.
+    Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
     NV = V // BV
@@ -113,6 +118,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
+    v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
+    o_t = T.Tensor((1, 1, 1, V), dtype) if states_only else T.Tensor((1, T_, HV, V), dtype)
 
     def walk_start(bos, eos, skip, i_n, i_hv):
         # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (clamped, so that no product
@@ -125,15 +132,20 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
         # on entry: Vd^T = V^T Ag^T + Y Ae^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
-        T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
-        for i, j in T.Parallel(BV, BT):
-            vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
-            vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
-        T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                               # S1^T = e_L S0^T + (Vd^T R) K
-        T.wait_wgmma(1)
-        for i, j in T.Parallel(BV, BT):
-            o_f[i, j] = o_f[i, j] * dq_s[pb, j]
-        T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)            # O^T += Vd^T Pg^T
+        if states_only:
+            for i, j in T.Parallel(BV, BT):
+                vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
+            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                           # S1^T = e_L S0^T + (Vd^T R) K
+        else:
+            T.wgmma_gemm(sb_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True)   # O^T = S0^T Q^T
+            for i, j in T.Parallel(BV, BT):
+                vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
+                vdb_f[i, j] = T.cast(vd_f[i, j], dtype)
+            T.wgmma_gemm(vdr_f, k_s[st, :, :], s_f)                           # S1^T = e_L S0^T + (Vd^T R) K
+            T.wait_wgmma(1)
+            for i, j in T.Parallel(BV, BT):
+                o_f[i, j] = o_f[i, j] * dq_s[pb, j]
+            T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)        # O^T += Vd^T Pg^T
 
     @T.macro
     def scale_state(s_f, el_s, pb):
@@ -182,11 +194,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         # chunk c's GEMMs have completed: free its ring slot and prep buffers, stage O^T for the store warp
         T.barrier_arrive(empty[c % NS])
         T.barrier_arrive(pout_empty[c % NP])
-        T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
-        mark(c, "s.o_empty")
-        stage_o(c % NO, o_f, o_s, tx)
-        T.barrier_arrive(o_full[c % NO])
-        mark(c, "s.o_staged")
+        if not states_only:
+            T.barrier_wait(o_empty[c % NO], ((c // NO) % 2) ^ 1)
+            mark(c, "s.o_empty")
+            stage_o(c % NO, o_f, o_s, tx)
+            T.barrier_arrive(o_full[c % NO])
+            mark(c, "s.o_staged")
 
     @T.macro
     def wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s):
@@ -237,7 +250,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             wait_inputs(c, st, ln, full, q_s, k_s, v_s, a_s)
             mark(c, "p.full")
             # P = Q K^T   [BT, K] @ [K, BT]; the A tile and the gate values load under it
-            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+            if not states_only:
+                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.copy(a_s[st, :, :], a_f)
             load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             T.barrier_wait(pout_empty[pb], ((c // NP) % 2) ^ 1)
@@ -248,18 +262,27 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             # diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros above the
             # diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past the
             # end. Ae's row factor -exp(G_i) is applied here.
-            for i, j in T.Parallel(BT, BT):
-                gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
-                ab = T.cast(a_f[i, j], acc) * bj_f[j]
-                ag32_f[i, j] = ab * gam
-                ab32_f[i, j] = ab * ei_f[i]
-                p_f[i, j] = p_f[i, j] * gam * scale
+            if states_only:
+                for i, j in T.Parallel(BT, BT):
+                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                    ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                    ag32_f[i, j] = ab * gam
+                    ab32_f[i, j] = ab * ei_f[i]
+            else:
+                for i, j in T.Parallel(BT, BT):
+                    gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                    ab = T.cast(a_f[i, j], acc) * bj_f[j]
+                    ag32_f[i, j] = ab * gam
+                    ab32_f[i, j] = ab * ei_f[i]
+                    p_f[i, j] = p_f[i, j] * gam * scale
             T.copy(ab32_f, ab_f)
             T.copy(ag32_f, ag_f)
-            T.copy(p_f, pgb_f)
+            if not states_only:
+                T.copy(p_f, pgb_f)
             T.copy(ab_f, ae_s[pb, :, :])
             T.copy(ag_f, a_s[st, :, :])
-            T.copy(pgb_f, pg_s[pb, :, :])
+            if not states_only:
+                T.copy(pgb_f, pg_s[pb, :, :])
             row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             T.fence_proxy_async()
             T.barrier_arrive(prep_done[pb])
@@ -269,13 +292,13 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     def chunk_fwd_kernel(
         q: T.Tensor((1, T_, H, K), dtype),
         k: T.Tensor((1, T_, H, K), dtype),
-        v: T.Tensor((1, T_, HV, V), dtype),
+        v: v_t,
         g: T.Tensor((1, T_, HV), acc),
         beta: T.Tensor((1, T_, HV), beta_dtype),
         A: T.Tensor((1, T_, HV, BT), dtype),
         h0: T.Tensor(state_shape, h0_dtype),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
-        o: T.Tensor((1, T_, HV, V), dtype),
+        o: o_t,
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
         skip: skip_t,
@@ -314,8 +337,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             mark = timeline.marker(TABLE, bx, tx)
 
             if i_n == N_:
-                # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
-                tb = cu_seqlens[N_]
+                # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice); nothing with states_only
+                if states_only:
+                    tb = T_
+                else:
+                    tb = cu_seqlens[N_]
                 VEC = 8
                 per_row = BV // VEC
                 for it in T.serial(T.ceildiv((T_ - tb) * per_row, THREADS)):
@@ -420,21 +446,32 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     T.set_max_nreg(40, 0)
                     if tx < 288:
                         # load warp: v and A once the slot's v/A part is free, q and k once all of it is
+                        if zero_v:
+                            # zero values: every slot's v tile is zero for the whole walk (the first arrival on
+                            # full publishes it; the prep warpgroup's ragged-row zeroing keeps it zero)
+                            for s_, i, j in T.Parallel(NS, BT, BV):
+                                v_s[s_, i, j] = T.cast(0, dtype)
+                            T.fence_proxy_async()
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
                             T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.empty")
-                            T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                            if not zero_v:
+                                T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
-                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
+                            if not states_only:
+                                T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s[st, :, :], barrier=full[st])
                             T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s[st, :, :], barrier=full[st])
                             T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
-                        store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, tx - 288, mark)
+                        if states_only:
+                            store_o_rows(o, o_s, o_full, o_empty, 0, bos, eos, i_hv, v0, tx - 288, mark)
+                        else:
+                            store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, tx - 288, mark)
                     elif tx < 352:
                         # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box
                         # minimum); rows past the sequence end get g[eos - 1] and beta = 0
@@ -462,18 +499,30 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
-                    chunk_skip=(False,)) -> list:
+                    chunk_skip=(False,), zero_values=False, states_only=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
-    builds with the per-(sequence, head) start chunk, which only context parallelism launches, `cp.builds`)."""
+    builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds) and `states_only` (no o)
+    are what only context parallelism launches (`cp.builds`)."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
             args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
-            out += [(label + " skip", build, args + (False, True)) if skip else (label, build, args)
-                    for skip in chunk_skip]
+            for skip in chunk_skip:
+                flags = _flags(False, skip, zero_values, states_only)
+                out.append((label + (" skip" if skip else "") + (" zero_v" if zero_values else "")
+                            + (" states" if states_only else ""), build, args + flags))
     return out
+
+
+def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool) -> tuple:
+    """The trailing `build` arguments of these flags, as short as the defaults allow (the default builds keep the
+    cache keys they had before the flags existed)."""
+    flags = (save_states, chunk_skip, zero_v, states_only)
+    while flags and not flags[-1]:
+        flags = flags[:-1]
+    return flags
 
 
 def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
@@ -485,7 +534,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64, chunk_skip=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -499,13 +548,18 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             value head hv starts at its chunk ``chunk_skip[n, hv]`` (clamped to [0, its chunk count]) from its
             initial state. For context parallelism's internal passes only (`flashdelta.cp`): o on the skipped
             chunks is unspecified, and the final state is the state after the sequence's last chunk.
+        zero_values: the values are taken to be zero and v is not read (only its shape counts): context
+            parallelism's M pass, without a zero tensor to fill and read.
+        states_only: only the final state is computed (o is returned as None): context parallelism's M and E
+            passes.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
         `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
     """
     o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip)
+                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip,
+                       zero_values=zero_values, states_only=states_only)
     return o, ht
 
 
@@ -520,9 +574,9 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            save_states, chunk_skip=None):
-    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip` as `chunk_fwd` takes it
-    (not with save_states)."""
+            save_states, chunk_skip=None, zero_values=False, states_only=False):
+    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip`, `zero_values` and
+    `states_only` (o None) as `chunk_fwd` takes them (not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -533,7 +587,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     A = A.to(q.dtype)                                           # no copy when it already is
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    o = _tl.alloc((1, T_, HV, V), v.dtype, dev)
+    o = None if states_only else _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
     hs = None
     if save_states:
@@ -551,13 +605,13 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
-    tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
-               A.contiguous(), h0.contiguous(), cu_seqlens, o, ht)
+    assert not ((zero_values or states_only) and save_states), "zero_values, states_only: chunk_fwd only"
+    vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
+    ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
+    tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
+               h0.contiguous(), cu_seqlens, ot, ht)
+    extra = (hs,) if hs is not None else ()
     if chunk_skip is not None:
-        build(*args, False, True)(*tensors, chunk_skip)
-        return o, ht, None
-    if hs is None:
-        build(*args)(*tensors)
-        return o, ht, None
-    build(*args, True)(*tensors, hs)
-    return o, hs, ht
+        extra += (chunk_skip,)
+    build(*args, *_flags(save_states, chunk_skip is not None, zero_values, states_only))(*tensors, *extra)
+    return (o, hs, ht) if hs is not None else (o, ht, None)

@@ -93,9 +93,12 @@ def _cp_builds(H: int, HV: int, K: int, V: int, dtype, beta_dtype, scale: float,
     todo = cp.builds(H, HV, K, V, dtype, beta_dtype, scale, backward=bwd)
     if fwd:
         return todo
-    skip = {(b.__name__, args) for width in (V, K)
-            for _, b, args in fused_fwd.launcher_builds(H, HV, K, width, dtype, beta_dtype, torch.float32, scale,
-                                                        initial_state=(False, True), chunk_skip=(True,))}
+    # the warm-up's passes as `cp.builds` lists them: E at width V, M at width K without reading v
+    fwd_only = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
+                                         chunk_skip=(True,), states_only=True)
+    fwd_only += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
+                                          chunk_skip=(True,), zero_values=True, states_only=True)
+    skip = {(b.__name__, args) for _, b, args in fwd_only}
     return [x for x in todo if (x[1].__name__, x[2]) not in skip]
 
 

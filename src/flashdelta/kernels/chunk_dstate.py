@@ -67,9 +67,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             i_h = i_hv // G
             tx = T.get_thread_binding()
 
-            q_s = T.alloc_shared((NS, BT, K), dtype)        # Q, then scale D Q in place
+            q_s = T.alloc_shared((NS, BT, K), dtype)
             k_s = T.alloc_shared((NS, BT, K), dtype)
-            do_s = T.alloc_shared((NS, BT, V), dtype)
+            do_s = T.alloc_shared((NS, BT, V), dtype)       # dO, then scale D dO in place
             a_s = T.alloc_shared((NS, BT, BT), dtype)
             ds_s = T.alloc_shared((V, K), dtype)            # dS1^T
             dvd_s = T.alloc_shared((BT, V), dtype)          # dVd, then dU
@@ -88,7 +88,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             dvd_f = T.alloc_fragment((BT, V), acc)
             dv_f = T.alloc_fragment((BT, V), acc)
             du_f = T.alloc_fragment((BT, V), dtype)
-            qd_f = T.alloc_fragment((BT, K), dtype)
+            dod_f = T.alloc_fragment((BT, V), dtype)
             gl = T.alloc_local((2,), acc)
 
             bos = cu_seqlens[i_n]
@@ -145,15 +145,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                 T.gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)          # dv = Ag^T dVd
                 for i, j in T.Parallel(BT, V):
                     du_f[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)                   # dU = -D dv
-                for i, j in T.Parallel(BT, K):
-                    qd_f[i, j] = T.cast(T.cast(q_s[st, i, j], acc) * (eg_s[i] * scale), dtype)
+                for i, j in T.Parallel(BT, V):
+                    dod_f[i, j] = T.cast(T.cast(do_s[st, i, j], acc) * (eg_s[i] * scale), dtype)
                 for i, j in T.Parallel(V, K):
                     ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
                 T.sync_threads()
                 T.copy(du_f, dvd_s)
-                T.copy(qd_f, q_s[st, :, :])
+                T.copy(dod_f, do_s[st, :, :])
                 T.wgmma_gemm(dvd_s, k_s[st, :, :], ds_f, transpose_A=True)             # dS0^T += dU^T K
-                T.wgmma_gemm(do_s[st, :, :], q_s[st, :, :], ds_f, transpose_A=True)    # dS0^T += dO^T (scale D Q)
+                T.wgmma_gemm(do_s[st, :, :], q_s[st, :, :], ds_f, transpose_A=True)    # dS0^T += (scale D dO)^T Q
                 T.wait_wgmma(0)
                 if c > 0:
                     if tx < BT:

@@ -6,8 +6,10 @@ loads kernels instead of compiling them (~3-8 s of device time each):
 
 --tests: every kernel build the GPU tier launches (tests/_builds.py `gpu_tier`, from the case tables in
 tests/cases.py: the stage tests, with the builds they ask for through launcher arguments, and the public-API tests);
---grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0);
---bwd-grid: the same with the backward's kernels for the backward grid's six head configs.
+--grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0), with context
+parallelism's builds for the heads whose rows its cost model may split (`--context-parallel auto`: 2/8, 4/16, 16/16);
+--bwd-grid: the same with the backward's kernels for the backward grid's six head configs (the backward's cost model
+splits rows of all six).
 Timeline recordings (bench/dev/timeline.py) build their instrumented kernels on the GPU machine: the buffer address
 is part of the build.
 """
@@ -45,11 +47,12 @@ def main():
         sys.exit("set TILELANG_CACHE_DIR (e.g. .cache/tl-ship) so the kernels land where they can be carried")
     if a.grid:
         heads = [x for h in GRID_HEADS for x in ("--heads", h)]
-        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32"], check=True)
+        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32",
+                        "--context-parallel", "auto"], check=True)
     if a.bwd_grid:
         heads = [x for h in BWD_HEADS for x in ("--heads", h)]
-        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32", "--backward"],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", *heads, "--beta-dtype", "fp32", "--backward",
+                        "--context-parallel", "auto"], check=True)
     if a.tests:
         tests()
 

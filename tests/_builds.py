@@ -74,7 +74,8 @@ def _stage_builds(forced: bool) -> dict:
 
 def _e2e_builds() -> dict:
     """What the public API launches for tests/gpu/test_e2e_gpu.py (`flashdelta.precompile.variants`, the list
-    `flashdelta warmup` compiles), per case exactly its layout and initial state."""
+    `flashdelta warmup` compiles), per case exactly its layout and initial state; without context parallelism's
+    builds (the CP tests list theirs, `_cp_builds`)."""
     from flashdelta.precompile import variants
 
     todo = [(c, dt, {}) for c, dt in cases.E2E_PAIRS]
@@ -92,7 +93,7 @@ def _e2e_builds() -> dict:
     for c, dtype, kw in todo:
         kw = dict(dict(beta_dtype=dtype, qk_l2norm=False), **kw)
         for label, b, a in variants([(c.H, c.HV)], head_dim=(c.K, c.V), dtype=dtype, initial_state=(c.h0,),
-                                    state_v_first=(c.state_v_first,), num_sms=NUM_SMS, **kw):
+                                    state_v_first=(c.state_v_first,), num_sms=NUM_SMS, context_parallel=False, **kw):
             _add(out, f"e2e {c.name}-{str(dtype)[6:]}: {label}", b, a)
     return out
 
@@ -137,7 +138,7 @@ def _hf_builds() -> dict:
 
     out: dict = {}
     for label, b, a in variants([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
-                                num_sms=NUM_SMS, backward=True, decode=True):
+                                num_sms=NUM_SMS, backward=True, decode=True, context_parallel=False):
         _add(out, f"hf qwen3-next: {label}", b, a)
     return out
 

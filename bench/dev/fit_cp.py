@@ -22,23 +22,27 @@ given, fp32 beta):
 
 - per case: the stages whose cost depends on the split, alone: `chunk_bwd` over whole sequences and over the
   partitions of each L (random states and end gradients), `state_recompute` the same, `chunk_dstate` over the
-  partitions; and forward + backward
+  partitions, the backward warm-up's decision (`cp.grad_windows`) and its F pass (`chunk_dstate` with the windows'
+  `chunk_take`) beside the model's ``start``; and forward + backward
   (`torch.autograd.grad` of o and the final state) through the public API with CP off and with the automatic
-  choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`);
+  choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`), the
+  warm-up as `auto` decides, off (``FLASHDELTA_CP_WARMUP=0``) and on (``=1``, both passes);
 - a least-squares fit of `BWD_LAUNCH_US`, `BWD_CHUNK_US`, `BWD_ITEM_US` to the chunk_bwd passes (the model of
-  `cp_model._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model) and `START_GRAD_FACTOR`
-  (chunk_dstate over chunk_bwd on the same partitions);
+  `cp_model._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model), `START_GRAD_FACTOR`
+  (chunk_dstate over chunk_bwd on the same partitions) and `WARMUP_BWD_US` (the backward's windows, the mean over the
+  rows; the measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
   picks with the shipped and the fitted constants) and `cp.predict_bwd`'s prediction beside each measured L.
 
     source .device/bootstrap.sh; python3 -u bench/dev/fit_cp.py            # the whole grid (~4-6 min)
     python3 -u bench/dev/fit_cp.py --heads 2/8 --seqlens 1x32768 --L 32 64  # one row
-    python3 -u bench/dev/fit_cp.py --bwd                                    # the backward rows (~3-4 min)
+    python3 -u bench/dev/fit_cp.py --bwd                                    # the backward rows (~5-6 min)
 
 Builds: the fused forward at (K, V) = (128, 128) with and without an initial state, K-first (`flashdelta warmup`'s
 defaults), and prepare_fwd, for each head config; with --bwd also state_recompute (with an initial state) and
 chunk_bwd (with dht), K-first, chunk_dstate and prepare_bwd (`flashdelta warmup --backward`'s defaults); and CP's
-own (`cp.builds`: the `chunk_skip` builds of the warm-up's M and E passes, the scan kernel). ``--precompile``
+own (`cp.builds`: the `chunk_skip` builds of the warm-up's M and E passes, the scan kernel; with --bwd
+chunk_dstate's `chunk_take` build of the backward's warm-up). ``--precompile``
 compiles exactly the builds of the given mode and heads (on the CPU machine, into ``TILELANG_CACHE_DIR``) and exits:
 
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/fit_cp.py --bwd --precompile
@@ -105,6 +109,17 @@ def _bwd_pass_row(items, sms):
     work = sum(cnt * (ch * cp.BWD_CHUNK_US + cp.BWD_ITEM_US) for ch, cnt in items)
     w = math.ceil(work / (slots * longest) - 1e-9)
     return [1.0, w * longest_ch, w]
+
+
+def _start_models(seqlens, HV, L, sms):
+    """(exact, expected with the warm-up, whether auto runs it): the model's chunk_dstate pass over L-chunk partitions
+    (`cp_model._start_us`), the warm-up's over the partitions that are not their sequence's first."""
+    from flashdelta import cp_model as cp
+
+    chunks = [-(-n // 64) for n in seqlens]
+    parts, cont = cp._parts(chunks, L), cp._first_parts(chunks, L)
+    return (cp._start_us(parts, HV, sms), cp._start_us(parts, HV, sms, cont),
+            cp.warmup_pays_bwd(parts=parts, cont=cont, HV=HV, sms=sms))
 
 
 def _lstsq(rows, ys):
@@ -359,9 +374,11 @@ def bwd_main(args):
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
     bwd_rows, bwd_y, states_model, states_y, dstate_y, dstate_bwd, table = [], [], [], [], [], [], []
+    grad_windows_us = []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
         f"{n}={getattr(cp_model, n)}" for n in ("BWD_CHUNK_US", "BWD_ITEM_US", "BWD_LAUNCH_US", "RECOMPUTE_FACTOR",
-                                                "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US")))
+                                                "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US",
+                                                "WARMUP_BWD_US", "WARMUP_FALLBACK", "WARMUP_CHUNKS")))
     for hh in args.heads:
         H, HV = map(int, hh.split("/"))
         for sl in args.seqlens:
@@ -391,11 +408,12 @@ def bwd_main(args):
                      "states_serial": lambda: fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
                      "bwd_pass_serial": lambda: kbwd.chunk_bwd(q, k, v, g_cumsum, beta, A, h_serial, do, dht, cu,
                                                                scale=scale)}
-            plans = {}
+            plans, gwins = {}, {}
             for L in sorted(set(args.L) | {cp.choose_bwd(**kw)} - {0}):
                 if L >= -(-max(seqlens) // 64):
                     continue
                 plan = plans[L] = cp.make_plan(cu, T, L)
+                gwin = gwins[L] = cp.grad_windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD)
                 H0 = torch.randn(plan.P, HV, 128, 128, device=dev)
                 dS = torch.randn(plan.P, HV, 128, 128, device=dev) / 8
                 hp = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, H0, plan.cu)
@@ -405,7 +423,13 @@ def bwd_main(args):
                     q, k, v, g_cumsum, beta, A, hp, do, dS, plan.cu, scale=scale))
                 steps[f"dstate_L{L}"] = (lambda plan=plan: chunk_dstate.chunk_dstate(
                     q, k, g_cumsum, beta, A, do, plan.cu, scale=scale))
+                steps[f"grad_windows_L{L}"] = (lambda plan=plan: cp.grad_windows(
+                    g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
+                steps[f"dstate_warm_L{L}"] = (lambda plan=plan, gwin=gwin: chunk_dstate.chunk_dstate(
+                    q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=gwin.take))
                 steps[f"fb_L{L}"] = lambda L=L: fb(cp.encode(Lf, L))
+                steps[f"fb_exact_L{L}"] = lambda L=L: _with_env(cp.ENV_WARMUP, "0", lambda: fb(cp.encode(Lf, L)))
+                steps[f"fb_warm_L{L}"] = lambda L=L: _with_env(cp.ENV_WARMUP, "1", lambda: fb(cp.encode(Lf, L)))
             runners = {}
             for name, fn in steps.items():
                 try:
@@ -430,6 +454,22 @@ def bwd_main(args):
                 if f"states_L{L}" in us:
                     states_model.append(cp_model._pass_us([(c, n * HV * 2) for c, n in items], sms))
                     states_y.append(us[f"states_L{L}"])
+                if f"grad_windows_L{L}" in us:
+                    grad_windows_us.append(us[f"grad_windows_L{L}"])
+                gwin, plan = gwins[L], plans[L]
+                cont = ~plan.first
+                n = gwin.n(plan)
+                share = gwin.fallback[cont].float().mean().item()
+                window = n[cont[:, None] & ~gwin.fallback].float().mean().item()
+                m_exact, m_warm, runs = _start_models(seqlens, HV, L, sms)
+                print(f"  L{L}: grad windows {us.get(f'grad_windows_L{L}', float('nan')):.1f} us (model "
+                      f"{cp_model.WARMUP_BWD_US}), fallback share {share:.2f} (model {cp_model.WARMUP_FALLBACK}), "
+                      f"mean window {window:.2f} chunks (model {cp_model.WARMUP_CHUNKS}); F pass exact "
+                      f"{us.get(f'dstate_L{L}', float('nan')):.1f} (model {m_exact:.1f}) warm-up "
+                      f"{us.get(f'dstate_warm_L{L}', float('nan')):.1f} (model {m_warm:.1f}, "
+                      f"{'runs' if runs else 'not run'} under auto); fwd+bwd exact "
+                      f"{us.get(f'fb_exact_L{L}', float('nan')):.1f} warm-up "
+                      f"{us.get(f'fb_warm_L{L}', float('nan')):.1f}")
             fbt = {L: us[f"fb_L{L}"] for L in plans if f"fb_L{L}" in us}
             best = min([us["fb_off"]] + list(fbt.values()))
             best_L = min(fbt, key=fbt.get) if fbt and min(fbt.values()) < us["fb_off"] else 0
@@ -447,7 +487,7 @@ def bwd_main(args):
                               f"dstate {us.get(f'dstate_L{L}', float('nan')):.1f} (model {pred[L]['start']:.1f}) "
                               f"bwd model {pred[L]['cp']:.1f} vs serial {pred[L]['serial']:.1f}" for L in plans),
                   flush=True)
-            del inp, runners, steps, h_serial, plans
+            del inp, runners, steps, h_serial, plans, gwins
             torch.cuda.empty_cache()
 
     fit = {}
@@ -458,6 +498,8 @@ def bwd_main(args):
         fit.update(RECOMPUTE_FACTOR=sum(states_y) / sum(states_model))
     if dstate_y:
         fit.update(START_GRAD_FACTOR=sum(dstate_y) / sum(dstate_bwd))
+    if grad_windows_us:
+        fit.update(WARMUP_BWD_US=sum(grad_windows_us) / len(grad_windows_us))
     print("\nfitted constants (paste into src/flashdelta/cp.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")

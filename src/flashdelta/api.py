@@ -266,7 +266,8 @@ def chunk_gated_delta_rule(
             except where the forward's gate-driven warm-up applies (docs/algorithm.md §4.4): a value head whose
             gates decay a partition's last chunks to a summed log decay <= -10 (every token of the partition with
             ``0 <= beta ||k||^2 <= 2``) takes the next start state from those chunks alone, dropping at most
-            ``exp(-10)`` of the state entering them (the backward stays exact). None (default): the
+            ``exp(-10)`` of the state entering them; the backward's end gradients likewise, from the next
+            partition's first such chunks (its start states stay exact). None (default): the
             ``FLASHDELTA_CP`` environment variable (``auto``, ``0``, ``1``, or a partition length in chunks >= 2),
             default ``auto``: a cost model splits each pass where it predicts a gain on a native (GPU) backend, from
             the shapes and the host lengths (cu_seqlens_cpu, or the validated copy of cu_seqlens). False: never.
@@ -449,11 +450,12 @@ def _no_forward_ad(op: str, *xs) -> None:
 
 def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, scale=None,
            initial_state=(False, True), state_v_first=(False,), num_sms=None, backward=False, decode=False,
-           progress=True) -> float:
+           use_gate_in_kernel=False, g_dtype=torch.float32, a_log_dtype=torch.float32, dt_bias_dtype=torch.float32,
+           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, context_parallel=None, progress=True) -> float:
     """Compile the SM90 kernels of the given layer shapes into TileLang's persistent cache: the forward's, with
     ``backward=True`` the backward's too (training), and with ``decode=True`` the decode kernel's
-    (`fused_recurrent_gated_delta_rule`: fp32 g, the final state written, dense and varlen input, per initial_state
-    and state_v_first variant; generation).
+    (`fused_recurrent_gated_delta_rule`: fp32 g, or the raw gate in g_dtype with ``use_gate_in_kernel``, the final
+    state written, dense and varlen input, per initial_state and state_v_first variant; generation).
 
     Args:
         heads: iterable of ``(H, HV)`` pairs, e.g. ``[(16, 64)]``.
@@ -461,10 +463,22 @@ def warmup(heads, *, head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch
         scale: the output scale (kernels specialise on it; default ``K ** -0.5``);
         initial_state / state_v_first: which variants to build;
         num_sms: SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200).
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval: the options the model calls
+            `chunk_gated_delta_rule` with (the prepare kernels' in-kernel gate and beta activation; with a beta
+            activation the later kernels take the activated beta in fp32). g_dtype, a_log_dtype, dt_bias_dtype:
+            with ``use_gate_in_kernel``, the dtypes of the raw gate g, A_log and dt_bias (None: no dt_bias);
+            ignored without it (g then goes in as fp32).
+        context_parallel: as `chunk_gated_delta_rule` takes it (None: ``FLASHDELTA_CP``, default auto; also
+            ``"auto"``): the context-parallel builds (`flashdelta.cp.builds`) of the head configs where CP may split
+            a pass (auto: where its cost model splits one sequence of up to 2^20 tokens; True or a partition length:
+            wherever CP runs); False: none.
         Needs no GPU. Returns the seconds spent. Bad arguments raise ValueError / TypeError naming them.
     """
     from .precompile import warmup as _warmup  # noqa: PLC0415
 
     return _warmup(list(heads), head_dim=tuple(head_dim), dtype=dtype, beta_dtype=beta_dtype, scale=scale,
                    initial_state=tuple(initial_state), state_v_first=tuple(state_v_first), num_sms=num_sms,
-                   backward=bool(backward), decode=bool(decode), progress=progress)
+                   backward=bool(backward), decode=bool(decode), use_gate_in_kernel=use_gate_in_kernel,
+                   g_dtype=g_dtype, a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                   context_parallel=context_parallel, progress=progress)

@@ -154,8 +154,9 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
                         varlen=cu_seqlens is not None)
     if L:
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
+        # l2-normalised keys: the warm-up's condition reads beta alone (`cp.windows`)
         o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                                state_v_first=state_v_first, plan=parts, backends=plan)
+                                state_v_first=state_v_first, plan=parts, backends=plan, keys_normalized=use_qk_l2norm)
     else:
         o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                              state_v_first=state_v_first)
@@ -210,7 +211,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T)
         dq, dk, dv, dbeta, dG, dh0 = cp.cp_chunk_bwd(qf, kf, vf, g_cumsum, bf, A, initial_state, _flat(do), dht, cu,
                                                      scale=scale, state_v_first=state_v_first, plan=parts,
-                                                     backends=plan)
+                                                     backends=plan, keys_normalized=use_qk_l2norm)
     else:
         h = ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
                                state_v_first=state_v_first)

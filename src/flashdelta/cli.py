@@ -152,6 +152,21 @@ def _dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+def _optional_dtype(name: str):
+    """A dtype, or None for ``none`` (an absent tensor)."""
+    if name == "none":
+        return None
+    try:
+        return _dtype(name)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"dtype must be one of ['bf16', 'fp16', 'fp32', 'none'], got {name!r}") \
+            from None
+
+
+# --context-parallel's values as `flashdelta.warmup` takes them (not given: FLASHDELTA_CP, as the operator)
+_CP_CHOICES = {"auto": "auto", "on": True, "off": False}
+
+
 def _heads(text: str) -> tuple:
     try:
         H, HV = (int(x) for x in text.split("/"))
@@ -213,7 +228,10 @@ def warmup(args) -> int:
         return 1
     opts = dict(head_dim=(args.head_dim, args.head_dim_v or args.head_dim), dtype=args.dtype,
                 beta_dtype=args.beta_dtype, scale=args.scale,
-                state_v_first=(args.state_v_first,), num_sms=args.num_sms, backward=args.backward)
+                state_v_first=(args.state_v_first,), num_sms=args.num_sms, backward=args.backward,
+                use_gate_in_kernel=args.use_gate_in_kernel, g_dtype=args.g_dtype, a_log_dtype=args.a_log_dtype,
+                dt_bias_dtype=args.dt_bias_dtype, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=args.allow_neg_eigval, context_parallel=_CP_CHOICES.get(args.context_parallel))
     try:
         todo = variants(args.heads, **opts)
     except (TypeError, ValueError) as e:
@@ -266,7 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=check)
     w = sub.add_parser("warmup",
                        help="compile the SM90 kernels a model needs into TileLang's persistent cache",
-                       description="Compile every SM90 kernel the forward of the given layer shapes launches into "
+                       description="Compile every SM90 kernel the forward of the given layer shapes launches, "
+                                   "with the operator options the model passes and context parallelism's kernels "
+                                   "where it may split, into "
                                    "TileLang's persistent cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache). "
                                    "Needs the CUDA toolkit's nvcc, no GPU; builds already in the cache load in "
                                    "well under a second.")
@@ -281,6 +301,24 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--scale", type=float, default=None, help="output scale (default: K ** -0.5)")
     w.add_argument("--state-v-first", action="store_true", help="states laid out [N, HV, V, K] (state_v_first=True)")
     w.add_argument("--backward", action="store_true", help="also the backward's kernels (for training)")
+    w.add_argument("--use-gate-in-kernel", action="store_true",
+                   help="the model passes use_gate_in_kernel=True: g is the raw gate, activated in the prepare kernel "
+                        "(dtypes: --g-dtype, --a-log-dtype, --dt-bias-dtype)")
+    w.add_argument("--g-dtype", type=_dtype, default="fp32", metavar="{bf16,fp16,fp32}",
+                   help="the raw gate's dtype with --use-gate-in-kernel (default: fp32)")
+    w.add_argument("--a-log-dtype", type=_dtype, default="fp32", metavar="{bf16,fp16,fp32}",
+                   help="A_log's dtype with --use-gate-in-kernel (default: fp32)")
+    w.add_argument("--dt-bias-dtype", type=_optional_dtype, default="fp32", metavar="{bf16,fp16,fp32,none}",
+                   help="dt_bias' dtype with --use-gate-in-kernel; none: the model passes no dt_bias (default: fp32)")
+    w.add_argument("--use-beta-sigmoid-in-kernel", action="store_true",
+                   help="the model passes use_beta_sigmoid_in_kernel=True: beta holds logits, activated in the "
+                        "prepare kernel (the later kernels read the activated beta in fp32)")
+    w.add_argument("--allow-neg-eigval", action="store_true",
+                   help="the model passes allow_neg_eigval=True (2 * sigmoid(beta); with "
+                        "--use-beta-sigmoid-in-kernel)")
+    w.add_argument("--context-parallel", choices=tuple(_CP_CHOICES), default=None,
+                   help="context parallelism's builds: auto (for the heads where its cost model may split a pass), "
+                        "on (wherever it runs), off (none); default: as FLASHDELTA_CP says, else auto")
     w.add_argument("--num-sms", type=int, default=None,
                    help="SM count of the GPU the cache is for (default: this machine's GPU, else 132: H100 SXM, H200)")
     w.set_defaults(func=warmup)

@@ -28,13 +28,16 @@ The partition plan (`CPPlan`) and the windows are computed on the device from cu
 buffers whose sizes depend only on host information (T, N, L), so CUDA graphs capture them and replay them with new
 lengths within the captured shapes; nothing here reads device data on the host.
 
-The backward (`cp_chunk_bwd`) mirrors the exact path on the same kind of plan: the start states as above (M, E,
-scan; exact for every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the
-partitions (the dS chain of `chunk_bwd` from a zero end gradient) gives each partition's start gradient F_p
-(`_start_grads`); the reverse scan ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht
-(`scan_grads`) gives every partition's end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG
-exact for the whole sequences and the sequences' dh0 (their first partitions'). The backward's warm-up mirror
-(docs/algorithm.md §4.4) needs a start-chunk limit in chunk_dstate and is not implemented.
+The backward (`cp_chunk_bwd`) runs on the same kind of plan: the start states as above (M, E, scan; exact for
+every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the partitions (the dS chain
+of `chunk_bwd` from a zero end gradient) gives each partition's start gradient F_p (`_start_grads`); the reverse
+scan ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
+end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG for the whole sequences and the
+sequences' dh0 (their first partitions'). Its warm-up mirrors the forward's (docs/algorithm.md §4.4,
+`grad_windows`): per partition that is not its sequence's first and value head, the shortest prefix of its chunks
+whose summed log decay reaches the threshold; chunk_dstate walks only that prefix (`chunk_take`) and the head's M^T
+is zeroed for the reverse scan, so the end gradient of the partition before is the prefix's F alone; heads without
+such a prefix keep ``F_{p+1} + M_{p+1}^T dS_end[p+1]``.
 
 The decision (`decide`): `context_parallel` argument, else ``FLASHDELTA_CP``, else the cost models
 (`cp_model.predict` for the forward, with or without the warm-up; `cp_model.predict_bwd` for the backward) on the
@@ -58,10 +61,11 @@ from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ
                        MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
                        choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold)
 
-__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "Windows", "bounds", "builds", "choose", "choose_bwd",
-           "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode", "make_plan", "num_sms", "parse_request",
-           "parse_warmup", "predict", "predict_bwd", "resolve_code", "scan_cost", "scan_grads", "scan_log",
-           "scan_serial", "scan_states", "summaries", "supported", "supported_bwd", "warmup_threshold", "windows"]
+__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "GradWindows", "Windows", "bounds", "builds",
+           "choose", "choose_bwd", "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode", "grad_windows",
+           "make_plan", "num_sms", "parse_request", "parse_warmup", "predict", "predict_bwd", "resolve_code",
+           "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states", "summaries", "supported",
+           "supported_bwd", "warmup_threshold", "windows"]
 
 Tensor = torch.Tensor
 
@@ -69,6 +73,8 @@ ENV_CP = "FLASHDELTA_CP"
 BT = cp_model.BT                # chunk size of every stage
 # a chunk_skip past any partition's end: the CTA walks no chunk (its final state is its initial state)
 SKIP_ALL = 1 << 30
+# a chunk_take past any partition's end: the CTA walks every chunk of it (the exact path's F)
+TAKE_ALL = 1 << 30
 # b ||k||^2 of every token of a warm-up window must lie in [0, CONTRACTION_LIMIT]: then each factor I - b k k^T of
 # the window's transition has norm <= 1 and ||M_w|| <= exp(summed log decay) (docs/algorithm.md §4.2)
 CONTRACTION_LIMIT = 2.0
@@ -188,8 +194,9 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
         return 0
     kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
               seq_len=None if varlen else T, force=force)
-    fwd = choose(**kw, warmup=warmup_threshold(parse_warmup(None), dtype) is not None)
-    bwd = choose_bwd(**kw) if force or supported_bwd(kset, K, V, dtype) else 0
+    warm = warmup_threshold(parse_warmup(None), dtype) is not None
+    fwd = choose(**kw, warmup=warm)
+    bwd = choose_bwd(**kw, warmup=warm) if force or supported_bwd(kset, K, V, dtype) else 0
     return encode(fwd, bwd)
 
 
@@ -206,9 +213,10 @@ def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B
     force = code == CP_ON
     if not force and not _native(kset, device):
         return 0
-    kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T, force=force)
+    kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), seq_len=None if varlen else T, force=force,
+              warmup=warmup_threshold(parse_warmup(None), dtype) is not None)
     if not backward:
-        return choose(**kw, warmup=warmup_threshold(parse_warmup(None), dtype) is not None)
+        return choose(**kw)
     if not force and not (bwd_kset is not None and _native(bwd_kset, device) and supported_bwd(bwd_kset, K, V, dtype)):
         return 0
     return choose_bwd(**kw)
@@ -225,9 +233,9 @@ class CPPlan(NamedTuple):
     the last partition are empty, at ``cu_seqlens[N]``), ``seq [P]`` int64 each slot's sequence (clamped to N - 1
     on unused slots), ``pos [P]`` int64 its index within the sequence (0 on unused slots), ``first [P]`` bool
     (starts its sequence, or unused), ``last_index [N]`` int64 each sequence's last partition, ``step_index [J, N]``
-    int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the forward's
+    int64 partition j of sequence n, or P where it has none (the scan's padding slot). ``warmup``: the pass's
     warm-up request (`parse_warmup`: ``"auto"``, ``"on"``, ``"off"`` or a threshold), settled per call from q's
-    dtype and, under ``auto``, the cost model (`cp_chunk_fwd`).
+    dtype and, under ``auto``, each pass's cost model (`cp_chunk_fwd`, `cp_chunk_bwd`).
     """
     L: int
     P: int
@@ -248,7 +256,8 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     """Cut every sequence into partitions of L chunks (the last takes the remainder; an empty sequence gives one
     empty partition), as `reference.cp.partition` does, on cu_seqlens' device with torch ops only (no host
     synchronisation). `T`: tokens of the flat input; `seq_len`: dense input (all sequences this long). `warmup`:
-    the forward's warm-up request (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default auto)."""
+    the warm-up request of the pass the plan serves (`parse_warmup`; None: ``FLASHDELTA_CP_WARMUP``, default
+    auto)."""
     warmup = parse_warmup(warmup)
     if L < 1:
         raise ValueError(f"L: partitions need >= 1 chunk, got {L}")
@@ -404,6 +413,28 @@ class Windows(NamedTuple):
         return torch.where(n > 0, self.suffix.gather(1, torch.clamp_min(n - 1, 0)[:, None]).squeeze(1), 0.0)
 
 
+def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized: bool,
+                 inside: Optional[Tensor] = None) -> Tensor:
+    """``[P, HV]`` bool: whether every token of each partition (`toks`, ``[P x n]`` token indices, n per partition;
+    `inside` ``[P x n, 1]``: which of them count, None: all) has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the norm
+    bound's condition, docs/algorithm.md §4.2; NaN: no). `keys_normalized`: ``||k||^2 <= NORMALIZED_KEY_NORM2``
+    taken for granted, beta alone is read; else the key norms (one read of k)."""
+    HV = beta.shape[-1]
+    b = beta[0].index_select(0, toks)                                                            # [P n, HV]
+    limit = CONTRACTION_LIMIT
+    if keys_normalized:
+        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
+    else:
+        H = k.shape[2]
+        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
+        nk = nk.index_select(0, toks)
+        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
+    if inside is not None:
+        b = torch.where(inside, b, b.new_zeros(()))
+    lo, hi = torch.aminmax(b.view(P, -1, HV), dim=1)
+    return (lo >= 0) & (hi <= limit)
+
+
 def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
             keys_normalized: bool = False) -> Windows:
     """Per partition (not its sequence's last) and value head, the shortest suffix of its chunks whose summed log
@@ -435,18 +466,8 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     G = g_cumsum[0].index_select(0, toks).view(P, L, BT, HV)[:, :, 0]
     suffix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
     ok = suffix <= threshold
-    b = beta[0].index_select(0, toks)                                                            # [P L 64, HV]
-    limit = CONTRACTION_LIMIT
-    if keys_normalized:
-        limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
-    else:
-        H = k.shape[2]
-        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
-        nk = nk.index_select(0, toks)
-        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
-    lo, hi = torch.aminmax(b.view(P, L * BT, HV), dim=1)
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & (lo >= 0) & (hi <= limit) & inner                                   # NaN: no
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized) & inner
     fallback = inner ^ reach
     skip_e = torch.where(reach, (L - 1 - first).to(torch.int32), walk)
     return Windows(skip_e=skip_e, skip_m=torch.where(fallback, 0, none), fallback=fallback, suffix=suffix,
@@ -478,15 +499,22 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     return M, E
 
 
-def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int) -> Optional[float]:
+def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bool = False) -> Optional[float]:
     """The warm-up threshold of one call (None: the exact path): `warmup_threshold` of the plan's request at q's
-    dtype; under ``auto`` only where `cp_model.warmup_pays` at the plan's L for ``P - N`` partitions that are not
-    their sequence's last (host ints: exact for dense input, the most the tokens allow for varlen)."""
+    dtype; under ``auto`` only where the pass's model predicts the warm-up faster at the plan's L, for ``min(P, N J)
+    - N`` partitions that are not their sequence's last (forward, `cp_model.warmup_pays`) or first (`backward`,
+    `cp_model.warmup_pays_bwd`), host ints: exact for dense input and one sequence, the most the tokens allow for
+    varlen."""
     thr = warmup_threshold(plan.warmup, q.dtype)
-    if thr is not None and plan.warmup == "auto" and not cp_model.warmup_pays(
-            inner=plan.P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=num_sms(q.device)):
-        return None
-    return thr
+    if thr is None or plan.warmup != "auto":
+        return thr
+    sms = num_sms(q.device)
+    P = min(plan.P, plan.N * plan.J)            # partitions: at most P slots, at most J per sequence
+    if backward:
+        pays = cp_model.warmup_pays_bwd(parts={plan.L: P}, cont={plan.L: P - plan.N}, HV=HV, sms=sms)
+    else:
+        pays = cp_model.warmup_pays(inner=P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=sms)
+    return thr if pays else None
 
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
@@ -526,6 +554,71 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
 
 
 # ------------------------------------------------------------------------------------------------ backward
+
+class GradWindows(NamedTuple):
+    """The backward's warm-up decision (`grad_windows`), per partition slot and value head (``[P, HV]``, on the
+    device): ``take`` int32, chunk_dstate's `chunk_take` (a warm-up head: its window's chunks; a fallback head:
+    `TAKE_ALL`; 0 on a sequence's first partition and on unused slots, whose F the reverse scan never reads);
+    ``fallback`` bool, the heads on the exact path (the end gradient of the partition before is ``F + M^T dS_end``;
+    the reverse scan reads M only there); ``prefix`` (None on the exact path) float64 ``[P, L, HV]``, the summed
+    G_last of each partition's first j + 1 chunks (chunks past a ragged partition's end add 0). Host: ``threshold``
+    (None: the exact path for every head). `n` and `log_decay` give the window lengths and the bound's exponents."""
+    take: Tensor
+    fallback: Tensor
+    prefix: Optional[Tensor]
+    threshold: Optional[float]
+
+    def n(self, plan: CPPlan) -> Tensor:
+        """``[P, HV]`` int64: the chunks chunk_dstate walks (the window; every chunk of the partition on fallback
+        heads; 0 where it walks none)."""
+        nch = torch.div(plan.cu[1:] - plan.cu[:-1] + (BT - 1), BT, rounding_mode="floor").to(torch.int64)
+        return torch.minimum(self.take.to(torch.int64), nch[:, None])
+
+    def log_decay(self, plan: CPPlan) -> Tensor:
+        """``[P, HV]`` float64: the summed G_last of the chunks chunk_dstate walks (0 where it walks none): a warm-up
+        head's dropped part is <= exp(this) x the gradient at its window's end (docs/algorithm.md §4.4)."""
+        n = self.n(plan)
+        return torch.where(n > 0, self.prefix.gather(1, torch.clamp_min(n - 1, 0)[:, None]).squeeze(1), 0.0)
+
+
+def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
+                 keys_normalized: bool = False) -> GradWindows:
+    """The backward's mirror of `windows`: per partition that is not its sequence's first and value head, the
+    shortest prefix of its chunks whose summed log decay (the chunks' G_last, added from the first chunk on) is
+    ``<= threshold``, where every token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's
+    condition, docs/algorithm.md §4.2): chunk_dstate walks only that prefix from a zero gradient (its F_w) and the
+    head's M^T is zeroed for the reverse scan, so the end gradient of the partition before is F_w. A head without
+    such a prefix falls back to the exact path (F over the whole partition, through M^T). A sequence's first
+    partition needs neither (the reverse scan reads no F of it): chunk_dstate walks nothing of it. `threshold`
+    None: every head falls back; neither the gates nor the keys are read. `keys_normalized` as in `windows`.
+
+    The partition that is not its sequence's first may be its last, ragged one: chunk j's G_last is the gate at
+    ``min(start + 64 j + 63, end - 1)`` and chunks past the end add nothing; tokens past the end are not checked. On
+    the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens): no host
+    synchronisation, so CUDA graphs capture it and replay it with new lengths.
+    """
+    dev = g_cumsum.device
+    T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
+    P, L = plan.P, plan.L
+    cont = ~plan.first[:, None]                           # [P, 1]: continues its sequence (neither first nor unused)
+    every = torch.where(cont, TAKE_ALL, torch.zeros((P, HV), dtype=torch.int32, device=dev))
+    if threshold is None or T == 0:
+        return GradWindows(take=every, fallback=cont.expand(P, HV), prefix=None, threshold=None)
+    bos, eos = plan.cu[:-1, None].to(torch.int64), plan.cu[1:, None].to(torch.int64)
+    starts = bos + BT * torch.arange(L, device=dev)                                            # [P, L] chunk starts
+    last = torch.clamp(torch.minimum(starts + (BT - 1), eos - 1), 0, T - 1)
+    G = g_cumsum[0].index_select(0, last.view(-1)).view(P, L, HV)
+    G = torch.where((starts < eos)[..., None], G, G.new_zeros(()))
+    prefix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
+    ok = prefix <= threshold
+    toks = bos + torch.arange(L * BT, device=dev)                                               # [P, 64 L]
+    inside = (toks < eos).view(-1, 1)                     # tokens past the partition's end are not its own
+    toks = torch.clamp_max(toks, T - 1).view(-1)
+    any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside) & cont
+    take = torch.where(reach, (first + 1).to(torch.int32), every)
+    return GradWindows(take=take, fallback=cont & ~reach, prefix=prefix, threshold=float(threshold))
+
 
 def _reversed(plan: CPPlan) -> CPPlan:
     """The plan's slots in reverse order, as `scan_log` reads them (``seq``, ``pos``, ``first``): each sequence's
@@ -592,27 +685,36 @@ def _as_param(x: Optional[Tensor], kset) -> Optional[Tensor]:
     return None if x is None else x.to(kset.param_dtype(x.dtype)).contiguous()
 
 
-def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, scale: float) -> Tensor:
+def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, scale: float,
+                 take: Optional[Tensor] = None) -> Tensor:
     """``F [P, HV, K, V]`` (K-first): each partition's start gradient from a zero end gradient, by the
     `chunk_dstate` stage over the partitions (chunk_bwd's dh0 with dht = 0: only the dS chain, neither v nor the
-    states). `chunk_bwd` over the partitions with a zero dht gives the same F at the cost of a whole backward."""
-    return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale)
+    states); with `take` (`GradWindows.take`) of each (partition, head)'s first ``take`` chunks only. `chunk_bwd`
+    over the partitions with a zero dht gives the exact F at the cost of a whole backward."""
+    if take is None:
+        return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale)
+    return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=take)
 
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
-                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None):
+                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False):
     """The `state_recompute` and `chunk_bwd` stages (docs/stages.md) through the partitions of `plan`
-    (`make_plan` of the same cu_seqlens), exact: what `chunk_bwd` returns for the whole sequences, ``(dq, dk
-    [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``.
+    (`make_plan` of the same cu_seqlens): what `chunk_bwd` returns for the whole sequences, ``(dq, dk
+    [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``,
+    exact, or with the gate-driven warm-up of the end gradients where `plan.warmup` asks for it at q's dtype
+    (``auto``: also where `cp_model.warmup_pays_bwd` predicts it faster, `_threshold`): heads whose prefix window
+    reaches the threshold take the end gradient of the partition before from it (error <= exp(threshold) x the
+    gradient at the window's end, docs/algorithm.md §4.4), the others the exact path. The start states are exact.
 
     `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes, chunk_dstate for F; state_recompute
     and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None)
-    and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes. `scan` as in
-    `cp_chunk_fwd`, for both scans. Steps: (M, E) by two chunk_fwd launches (`summaries`) and the scan give every
-    partition's start state; state_recompute over the partitions from them; chunk_dstate gives F
-    (`_start_grads`); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those
-    gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each
-    sequence's first partition, its dh0. No host synchronisation.
+    and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
+    `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` as in `cp_chunk_fwd` (`grad_windows`). Steps:
+    (M, E) by two chunk_fwd launches (`summaries`) and the scan give every partition's start state; state_recompute
+    over the partitions from them; chunk_dstate gives F (`_start_grads`; with the warm-up over each head's window,
+    `grad_windows`, whose heads' M is then zeroed); the reverse scan (`scan_grads`) gives every partition's end
+    gradient; chunk_bwd from those gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its
+    serial dS and S) and, on each sequence's first partition, its dh0. No host synchronisation.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
@@ -628,7 +730,14 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     b = _as_param(beta, bks)
     h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
     dks = backends.kset("chunk_dstate")
-    Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale)
+    thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
+    win = None
+    if thr is not None:
+        win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized)
+    Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
+                      take=None if win is None else win.take)
+    if win is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
+        M.masked_fill_(~win.fallback[:, :, None, None], 0)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
@@ -646,9 +755,10 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     value width V without an initial state, with `chunk_skip`), its output pass (width V with an fp32 initial
     state, the serial pass's build at K = V) and its M pass (width K with one, with `chunk_skip`), all K-first; with
     `backward`, also the backward's summary passes (widths V and K without `chunk_skip`), its state_recompute (fp32
-    start states), chunk_bwd (with dht), K-first, and chunk_dstate, where chunk_bwd supports (K, V). A V-first
-    caller's serial path uses its own V-first builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with
-    and without h0 / dht, both V tiles) where it takes (K, V)."""
+    start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
+    the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
+    builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
+    it takes (K, V)."""
     from .kernels import chunk_bwd, chunk_dstate, cp_scan, fused_fwd  # noqa: PLC0415 - TileLang only where listed
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
@@ -661,7 +771,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
-        todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
+        todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))
     if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)
         todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS)
     out = {}

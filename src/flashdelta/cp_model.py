@@ -48,6 +48,10 @@ WARMUP_CHUNKS = 4
 # the windows' ~25 small kernels (`cp.windows`) at the ~1.4 us a small kernel costs in a CUDA graph (the H200 fit of
 # 2/8 1x32768: 431 us = 3 x 104 us passes + 15 us scan + 27 us zero fill + 27 us prepare + ~36 small kernels)
 WARMUP_US = 35.0
+# the backward's windows (`cp.grad_windows`: ~28 small kernels, the validity masks of a ragged last partition
+# included) and the zeroing of the warm-up heads' M, at ~1.4 us a small kernel in a CUDA graph (a prediction;
+# fit_cp.py --bwd times them)
+WARMUP_BWD_US = 40.0
 # split only where `cp_worst` is at most this x the serial time: where no gate decays at all (no model's gates) a
 # split may lose up to 5%, so that rows where only the warm-up makes CP pay (4/16 1x32768) are split
 WORST_MARGIN = 1.05
@@ -151,6 +155,42 @@ def _inner(chunks: list, L: int) -> int:
     return sum(max(0, -(-c // L) - 1) for c in chunks)
 
 
+def _first_parts(chunks: list, L: int) -> dict:
+    """{chunks: count} of the partitions that are not their sequence's first, of sequences of `chunks` chunks cut
+    every L chunks: the ones whose start gradient F the reverse scan reads."""
+    parts = {}
+    for c in chunks:
+        full, rem = divmod(c, L)
+        if full > 1:
+            parts[L] = parts.get(L, 0) + full - 1
+        if full and rem:
+            parts[rem] = parts.get(rem, 0) + 1
+    return parts
+
+
+def _start_us(parts: dict, HV: int, sms: int, cont: Optional[dict] = None) -> float:
+    """chunk_dstate's microseconds, `START_GRAD_FACTOR` of a chunk_bwd launch over the same CTAs (one per partition
+    and value head): exact over `parts` ({chunks: count}, every partition), or with the warm-up over `cont` (the
+    partitions that are not their sequence's first; the others' CTAs exit at once), expected: `WARMUP_FALLBACK` of
+    the heads walk whole partitions, the rest `WARMUP_CHUNKS` chunks."""
+    if cont is None:
+        return START_GRAD_FACTOR * _bwd_pass_us([(ch, n * HV) for ch, n in parts.items()], sms)
+    hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))          # fallback heads
+    items = [(ch, n * hf) for ch, n in cont.items()] + [(min(WARMUP_CHUNKS, ch), n * (HV - hf))
+                                                        for ch, n in cont.items()]
+    if not items:
+        return START_GRAD_FACTOR * BWD_LAUNCH_US
+    return START_GRAD_FACTOR * _bwd_pass_us(items, sms)
+
+
+def warmup_pays_bwd(*, parts: dict, cont: dict, HV: int, sms: int) -> bool:
+    """Whether the backward's warm-up (chunk_dstate over the windows, its decision `WARMUP_BWD_US`) beats the exact
+    F pass, for partitions `parts` ({chunks: count}, all) of which `cont` are not their sequence's first: where the
+    F pass is one wave anyway and some head falls back (its CTA walks a whole partition) the windows shorten
+    nothing."""
+    return _start_us(parts, HV, sms, cont) + WARMUP_BWD_US < _start_us(parts, HV, sms)
+
+
 def _summary_us(inner: int, HV: int, K: int, V: int, L: int, sms: int, warmup: bool) -> tuple:
     """(M pass, E pass) microseconds over `inner` partitions of L chunks: exact (every head walks every chunk of
     both) or, with `warmup`, expected (`WARMUP_FALLBACK` of the heads walk both, the rest `WARMUP_CHUNKS` chunks
@@ -201,12 +241,19 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
 
 
 def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
-                seq_len: Optional[int] = None) -> dict:
+                seq_len: Optional[int] = None, warmup: Optional[bool] = None) -> dict:
     """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
     whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
     partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
     chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
-    way and are left out."""
+    way and are left out.
+
+    `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs): the end gradients' warm-up may run; it runs
+    where `warmup_pays_bwd` (``warmup`` in the result), and then ``cp`` is its expected time (chunk_dstate over the
+    windows, ``start``, plus `WARMUP_BWD_US`) and ``cp_worst`` the exact F pass plus `WARMUP_BWD_US` (every head
+    falls back). Otherwise both are the exact path's time."""
+    if warmup is None:
+        warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
     NV, NK = max(1, V // 64), max(1, K // 64)
     whole = [(c, 1) for c in chunks]
@@ -220,10 +267,15 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     zeros = T * HV * K * 2 / (HBM_GBPS * 1e3)
     states = RECOMPUTE_FACTOR * e
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
-    start = START_GRAD_FACTOR * bwd
-    cp_us = m + e + zeros + 2 * scan_us + states + start + bwd + BWD_FIXED_US
-    return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd, cp=cp_us,
-                m=m, e=e, zeros=zeros, scan=scan_us, scan_method=scan, states=states, start=start, bwd=bwd, P=P, J=J)
+    exact = _start_us(dict(parts), HV, sms)
+    cont = _first_parts(chunks, L)
+    warm = bool(warmup) and warmup_pays_bwd(parts=dict(parts), cont=cont, HV=HV, sms=sms)
+    start = _start_us(dict(parts), HV, sms, cont) if warm else exact
+    fixed = WARMUP_BWD_US if warm else 0.0
+    rest = m + e + zeros + 2 * scan_us + states + bwd + BWD_FIXED_US + fixed
+    return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd,
+                cp=rest + start, cp_worst=rest + exact, warmup=warm, warmup_us=fixed, m=m, e=e, zeros=zeros,
+                scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J)
 
 
 def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
@@ -252,11 +304,11 @@ def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int
 
 
 def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-               force: bool = False) -> int:
+               force: bool = False, warmup: Optional[bool] = None) -> int:
     """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
-    as in `choose`."""
+    as in `choose`, `warmup` as `predict_bwd` takes it."""
     return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
-                 lengths=lengths, seq_len=seq_len, force=force)
+                 lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
 
 
 def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,

@@ -423,16 +423,41 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
             _scatter(dGc, lay, cd), _state_out(dS, state_v_first, _state_dtype(cd)))
 
 
-def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64, compute_dtype=None,
-                 operand_dtype=None):
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64, chunk_take=None,
+                 compute_dtype=None, operand_dtype=None):
     """Each sequence's start gradient from a zero end gradient, ``[N, HV, K, V]`` (K-first): `chunk_bwd`'s dh0 with
-    dht = 0. It depends on dO and the chunk maps only, so `chunk_bwd` runs here on zero values and states."""
-    T, HV, V, K = q.shape[1], do.shape[2], do.shape[3], q.shape[3]
-    NT = chunk_layout(cu_seqlens, T, chunk_size, q.device).NT
-    v = torch.zeros(1, T, HV, V, dtype=do.dtype, device=do.device)
-    h = torch.zeros(NT, HV, K, V, dtype=g_cumsum.dtype, device=q.device)
-    return chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, None, cu_seqlens, scale=scale, chunk_size=chunk_size,
-                     compute_dtype=compute_dtype, operand_dtype=operand_dtype)[5]
+    dht = 0. It depends on dO and the chunk maps only, so `chunk_bwd`'s chunk step runs here on zero values and
+    states, walking the chunks in reverse.
+
+    `chunk_take` (context parallelism's backward warm-up, `flashdelta.cp`): None, or an integer ``[N, HV]`` tensor;
+    sequence n's value head hv walks only its first ``chunk_take[n, hv]`` chunks (clamped to [0, its chunk count]),
+    from a zero gradient at the end of the last of them (0 where it walks none). Applied on the device (a mask per
+    step), no host read."""
+    cd = _resolve(compute_dtype, operand_dtype, q, k, do)
+    rnd = _rounder(cd, operand_dtype)
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = do.shape[2], do.shape[3]
+    scale = _default_scale(scale, K)
+    dev = q.device
+    lay = chunk_layout(cu_seqlens, T, chunk_size, dev)
+    hmap = _head_map(H, HV, dev)
+    if chunk_take is not None and (tuple(chunk_take.shape) != (lay.N, HV) or chunk_take.is_floating_point()):
+        raise ValueError(f"chunk_take: an integer [N, HV] = [{lay.N}, {HV}] tensor, got {chunk_take.dtype} "
+                         f"{tuple(chunk_take.shape)}")
+    qc, kc, doc = _gather(q, lay, cd), _gather(k, lay, cd), _gather(do, lay, cd)
+    Gc, bc, Ac = _gather_gate(g_cumsum, lay, _state_dtype(cd)).to(cd), _gather(beta, lay, cd), _gather(A, lay, cd)
+    dS = torch.zeros(lay.N, HV, K, V, dtype=cd, device=dev)
+    tril = _tril(lay.BT, dev)
+    for c in reversed(range(len(lay.steps))):
+        ids, seqs = lay.steps[c]
+        v0 = torch.zeros(len(ids), HV, lay.BT, V, dtype=cd, device=dev)          # values and states: zero
+        S0 = torch.zeros(len(ids), HV, K, V, dtype=cd, device=dev)
+        dS0 = _bwd_step(qc[ids][:, hmap], kc[ids][:, hmap], v0, Gc[ids], bc[ids], Ac[ids], S0, doc[ids], dS[seqs],
+                        lay.clen[ids], scale=scale, rnd=rnd, tril=tril)[5]
+        if chunk_take is not None:              # heads that stop earlier keep their zero gradient through chunk c
+            dS0 = torch.where((chunk_take[seqs].to(dev) > c)[:, :, None, None], dS0, dS[seqs])
+        dS[seqs] = dS0
+    return dS.to(_state_dtype(cd))
 
 
 def group_sum(dx, H, *, compute_dtype=None, operand_dtype=None):

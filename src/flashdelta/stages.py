@@ -10,7 +10,8 @@ it returns the activated beta third, the beta every later stage takes), ``chunk_
 parallelism's, docs/stages.md). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` again (recomputed, not
 saved), ``state_recompute`` -> h, ``chunk_bwd`` -> (dq, dk, dv, dbeta, dG, dh0), ``group_sum`` (dq, dk per key head),
 ``prepare_bwd`` -> dg; with context parallelism also ``chunk_dstate`` -> each partition's start gradient from a zero
-end gradient (chunk_bwd's dh0 with dht = 0, K-first).
+end gradient (chunk_bwd's dh0 with dht = 0, K-first; its ``chunk_take`` keyword, a per-(sequence, value head) chunk
+count, is the backward warm-up's, docs/stages.md).
 
 Contract between stages (flat varlen form: batch 1, cu_seqlens int32 ``[N + 1]``, chunks of 64 tokens aligned to
 sequence starts):

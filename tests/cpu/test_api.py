@@ -333,3 +333,40 @@ def test_cu_seqlens_cpu_gives_the_same_result():
     o, ht = chunk_gated_delta_rule(**x, cu_seqlens=cu, output_final_state=True)
     o2, ht2 = chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone().long(), output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+def test_cp_warmup_takes_the_normalised_keys(monkeypatch):
+    """With ``use_qk_l2norm_in_kernel`` the CP forward tells the warm-up its keys are l2-normalised
+    (``cp_chunk_fwd(keys_normalized=True)``: the condition reads beta alone), without it not; the windows, and so o
+    and the final state, are bit-identical to the ones that read the key norms."""
+    from flashdelta import cp
+
+    case = Case("warmup-l2norm", (1300, 1, 700), H=2, HV=4, K=16, V=8, gate="bench", pad=3)
+    x = make_inputs(case, dtype=torch.float32)
+    x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5            # unnormalised: the operator normalises them
+    monkeypatch.setenv(cp.ENV_WARMUP, "-4")
+    real_fwd, real_windows = cp.cp_chunk_fwd, cp.windows
+    calls, reached = [], []
+
+    def windows(*args, **kw):
+        win = real_windows(*args, **kw)
+        reached.append(bool((~win.fallback & (win.skip_e < cp.SKIP_ALL)).any()))
+        return win
+
+    def spy(force=None):
+        def fwd(*args, **kw):
+            calls.append(kw.get("keys_normalized", False))
+            if force is not None:
+                kw["keys_normalized"] = force
+            return real_fwd(*args, **kw)
+        return fwd
+
+    monkeypatch.setattr(cp, "windows", windows)
+    results = []
+    for l2norm, force in ((True, None), (True, False), (False, None)):
+        monkeypatch.setattr(cp, "cp_chunk_fwd", spy(force))
+        results.append(chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+                                              context_parallel=5))
+    assert calls == [True, True, False] and all(reached), (calls, reached)
+    (o, ht), (o_norms, ht_norms) = results[:2]
+    assert torch.equal(o, o_norms) and torch.equal(ht, ht_norms)

@@ -204,3 +204,183 @@ def test_warmup_real_build_prints_no_tilelang_log(monkeypatch, capsys):
         out, err = capsys.readouterr()
         assert "[TileLang:" not in out + err, out + err
         assert err.splitlines()[1].split(": ")[-1].split(" (")[0] in status, err
+
+
+# ------------------------------------------------------------------------- warmup: the operator's options, CP
+
+BF16, F32 = torch.bfloat16, torch.float32
+SCALE = 128 ** -0.5
+
+
+def _keys(todo) -> set:
+    return {(b.__name__, a) for _, b, a in todo}
+
+
+def test_warmup_gate_options_are_the_builds_the_forward_launches():
+    """With the in-kernel gate and beta activation, `variants` lists prepare's builds with the options (raw gate in
+    its dtype, A_log's, dt_bias' or none, beta_act) and the fused forward and backward builds reading the activated
+    beta in fp32; without them the builds are today's, and the gate's dtypes count only with the option."""
+    pytest.importorskip("tilelang")
+    from flashdelta.kernels import fused_fwd, prepare, sm90
+    from flashdelta.precompile import variants
+
+    kw = dict(beta_dtype=BF16, num_sms=132, context_parallel=False, backward=True)
+    plain = variants([(2, 8)], **kw)
+    assert plain == variants([(2, 8)], **kw, g_dtype=BF16, a_log_dtype=BF16, dt_bias_dtype=None)
+    assert [a for label, _, a in plain if label.startswith("prepare_fwd")] == [
+        a for _, _, a in prepare.launcher_builds(2, 8, 128, BF16, BF16, num_sms=132)]
+    gated = variants([(2, 8)], **kw, use_gate_in_kernel=True, g_dtype=BF16, dt_bias_dtype=None,
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    assert [x for x in gated if x[0].startswith("prepare_fwd")] == prepare.launcher_builds(
+        2, 8, 128, BF16, BF16, num_sms=132, g_dtype=BF16, a_log_dtype=F32, dt_bias_dtype=None, beta_act=2)
+    fused = [x for x in gated if x[0].startswith("chunk_fwd")]
+    assert fused == fused_fwd.launcher_builds(2, 8, 128, 128, BF16, F32, F32, SCALE)            # fp32 beta
+    assert [x for x in plain if x[0].startswith("chunk_fwd")] == fused_fwd.launcher_builds(2, 8, 128, 128, BF16,
+                                                                                           BF16, F32, SCALE)
+    backward = sm90.backward_builds([(2, 8)], head_dim=(128, 128), dtype=BF16, beta_dtype=F32, h0_dtype=F32,
+                                    scale=SCALE)
+    assert _keys(backward) <= _keys(gated) and not _keys(backward) <= _keys(plain)
+    # float64 gate parameters go into the fp32 kernels; the beta sigmoid alone leaves the gate out
+    gate = dict(use_gate_in_kernel=True, dt_bias_dtype=F32)
+    assert variants([(2, 8)], **kw, **gate, g_dtype=torch.float64, a_log_dtype=torch.float64) == \
+        variants([(2, 8)], **kw, **gate, g_dtype=F32, a_log_dtype=F32)
+    sig = [a for label, _, a in variants([(2, 8)], **kw, use_beta_sigmoid_in_kernel=True) if "prepare_fwd" in label]
+    assert sig and all(a[6:10] == ("float32", None, None, 1) for a in sig)
+    # decode takes the same options (its own kernel activates them, beta's logits in their dtype)
+    dec = [a for label, _, a in variants([(2, 8)], **dict(kw, decode=True), **gate, g_dtype=BF16,
+                                         use_beta_sigmoid_in_kernel=True) if label.startswith("decode")]
+    assert dec and dec == [a for _, _, a in sm90.decode_builds(
+        [(2, 8)], head_dim=(128, 128), dtype=BF16, beta_dtype=BF16, h0_dtype=F32, scale=SCALE,
+        initial_state=(False, True), g_dtype=BF16, gate=(F32, F32), beta_act=1)]
+
+
+def test_warmup_cli_passes_the_operator_options(monkeypatch, tmp_path, capsys):
+    """`flashdelta warmup`'s options reach `variants` as the API's keywords; the defaults are today's builds (no
+    in-kernel options, CP as FLASHDELTA_CP says); a combination the operator rejects exits 2 naming it."""
+    pytest.importorskip("tilelang")
+    from flashdelta import precompile, toolkit
+
+    seen = []
+    monkeypatch.setattr(precompile, "variants", lambda heads, **kw: seen.append(kw) or [])
+    monkeypatch.setattr(toolkit, "missing", lambda: None)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["warmup", "--heads", "2/8"]) == 0
+    assert cli.main(["warmup", "--heads", "2/8", "--use-gate-in-kernel", "--g-dtype", "bf16", "--a-log-dtype",
+                     "fp16", "--dt-bias-dtype", "none", "--use-beta-sigmoid-in-kernel", "--allow-neg-eigval",
+                     "--context-parallel", "off"]) == 0
+    opts = ("use_gate_in_kernel", "g_dtype", "a_log_dtype", "dt_bias_dtype", "use_beta_sigmoid_in_kernel",
+            "allow_neg_eigval", "context_parallel")
+    assert [tuple(kw[n] for n in opts) for kw in seen] == [
+        (False, F32, F32, F32, False, False, None), (True, BF16, torch.float16, None, True, True, False)]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert cli.main(["warmup", "--heads", "2/8", "--allow-neg-eigval"]) == 2
+    assert "allow_neg_eigval" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--heads", "2/8", "--dt-bias-dtype", "int8"])
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--heads", "2/8", "--context-parallel", "maybe"])
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(use_gate_in_kernel=1), TypeError, "use_gate_in_kernel"),
+    (dict(allow_neg_eigval=True), ValueError, "allow_neg_eigval"),
+    (dict(g_dtype=torch.int32), TypeError, "g_dtype"),
+    (dict(a_log_dtype=None), TypeError, "a_log_dtype"),
+    (dict(dt_bias_dtype="fp32"), TypeError, "dt_bias_dtype"),
+    (dict(context_parallel=0.5), TypeError, "context_parallel"),
+    (dict(context_parallel=0), ValueError, "context_parallel"),
+])
+def test_warmup_function_rejects_bad_options(kwargs, exc, msg):
+    pytest.importorskip("tilelang")
+    with pytest.raises(exc, match=msg):
+        flashdelta.warmup([(2, 8)], progress=False, **kwargs)
+
+
+def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
+    """Context parallelism's builds (`cp.builds`) where a call may split: under auto for the heads whose cost model
+    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip builds), for
+    every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a call; with
+    the beta sigmoid CP's builds read fp32 beta."""
+    pytest.importorskip("tilelang")
+    from flashdelta import cp
+    from flashdelta.kernels import fused_fwd
+    from flashdelta.precompile import cp_passes, variants
+
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
+    few = variants([(2, 8)], num_sms=132)
+    assert _keys(cp.builds(2, 8, 128, 128, BF16, F32, SCALE)) <= _keys(few)
+    assert len(few) == len(_keys(few)), "each build once"
+    assert variants([(16, 64)], num_sms=132) == variants([(16, 64)], num_sms=132, context_parallel=False)
+    bwd = variants([(16, 64)], num_sms=132, backward=True)
+    skip = _keys(fused_fwd.launcher_builds(16, 64, 128, 128, BF16, F32, F32, SCALE, initial_state=(False, True),
+                                           chunk_skip=(True,)))
+    assert not skip & _keys(bwd)
+    assert _keys(cp.builds(16, 64, 128, 128, BF16, F32, SCALE, backward=True)) - skip <= _keys(bwd)
+    assert _keys(cp.builds(16, 64, 128, 128, BF16, F32, SCALE)) <= _keys(variants([(16, 64)], num_sms=132,
+                                                                                  context_parallel=True))
+    sig = variants([(2, 8)], num_sms=132, beta_dtype=BF16, use_beta_sigmoid_in_kernel=True)
+    assert _keys(cp.builds(2, 8, 128, 128, BF16, F32, SCALE)) <= _keys(sig)
+    monkeypatch.setenv(cp.ENV_CP, "0")
+    assert variants([(2, 8)], num_sms=132) == variants([(2, 8)], num_sms=132, context_parallel=False)
+    assert _keys(cp.builds(2, 8, 128, 128, BF16, F32, SCALE)) <= _keys(variants([(2, 8)], num_sms=132,
+                                                                                context_parallel="auto"))
+    # the forward's cost model with the warm-up where FLASHDELTA_CP_WARMUP gives it to q's dtype
+    asked = []
+    monkeypatch.setattr(cp, "choose", lambda **kw: asked.append(kw["warmup"]) or 0)
+    assert cp_passes("auto", 16, 128, 128, BF16, sms=132, backward=False) == (False, False)
+    monkeypatch.setenv(cp.ENV_WARMUP, "0")
+    cp_passes("auto", 16, 128, 128, BF16, sms=132, backward=False)
+    n = len(asked) // 2
+    assert n > 0 and asked == [True] * n + [False] * n
+
+
+def test_cp_builds_follow_the_benchmark_grid():
+    """`flashdelta warmup` under auto (bench/precompile.py --grid) lists CP's forward builds for exactly the grid's
+    head configs with a row the cost model splits (bench/shapes.py), and its backward builds wherever a backward
+    row splits."""
+    pytest.importorskip("tilelang")
+    from flashdelta import cp
+    from flashdelta.precompile import cp_passes
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import shapes
+
+    warm = cp.warmup_threshold(cp.parse_warmup(None), BF16) is not None
+    for H, HV, _ in shapes.FWD_HEADS + shapes.BWD_HEADS:
+        kw = dict(HV=HV, K=128, V=128, sms=132)
+        rows = [dict(T=sum(s), N=len(s), lengths=list(s)) for s in shapes.FWD_SEQLENS]
+        fwd = any(cp.choose(**r, **kw, warmup=warm) for r in rows)
+        bwd = any(cp.choose_bwd(**r, **kw) for r in rows)
+        assert cp_passes("auto", HV, 128, 128, BF16, sms=132, backward=True) == (fwd, bwd), (H, HV)
+
+
+@pytest.mark.compile
+def test_warmup_option_builds_compile():
+    """One of each kind of build the new options add, as `variants` lists it, compiles for sm_90a and passes the hang
+    checks: prepare with the raw gate and the beta sigmoid (the activations in its source), the fused forward with
+    fp32 beta, and CP's E pass with chunk_skip."""
+    pytest.importorskip("tilelang")
+    import concurrent.futures
+
+    from _builds import hang_checks
+    from flashdelta.kernels import fused_fwd
+    from flashdelta.precompile import variants
+
+    todo = variants([(2, 8)], beta_dtype=BF16, num_sms=132, use_gate_in_kernel=True, g_dtype=BF16,
+                    use_beta_sigmoid_in_kernel=True, context_parallel=True)
+    pick = [next(x for x in todo if x[0].startswith("prepare_fwd")),
+            next(x for x in todo if x[0].startswith("chunk_fwd")),
+            next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip"))]
+
+    def compile_one(build):
+        kernel = build[1](*build[2])
+        return kernel.get_kernel_source(), kernel.get_host_source()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        sources = list(pool.map(compile_one, pick))
+    for (label, _, _), (src, host) in zip(pick, sources):
+        assert hang_checks(src, host) == [], label
+    body = sources[0][0].split('extern "C" __global__')[-1]
+    assert "fd_gdn_gate" in body and "fd_beta_act(" in body

@@ -15,7 +15,8 @@ SCALE = 128 ** -0.5
 def test_variants_are_the_launchers_builds():
     """One place says what a forward launches: `variants` lists the launchers' own tables, with the compile keys a
     real call uses."""
-    todo = precompile.variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,))
+    todo = precompile.variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
+                               context_parallel=False)
     assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "chunk_fwd"]
     assert todo[0][1:] == (l2norm.build, l2norm.builder_args(128, torch.bfloat16))
     assert todo[2][1:] == (fused_fwd.build, fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16,
@@ -26,20 +27,20 @@ def test_variants_are_the_launchers_builds():
     assert [label.split()[0] for label, _, _ in precompile.variants([(1, 8)], initial_state=(True,))].count(
         "prepare_fwd") == 2
     # both layouts and h0 on/off: four fused builds per head config
-    assert len([b for _, b, _ in precompile.variants([(2, 8)], state_v_first=(False, True)) if b is fused_fwd.build]) \
-        == 4
+    assert len([b for _, b, _ in precompile.variants([(2, 8)], state_v_first=(False, True), context_parallel=False)
+                if b is fused_fwd.build]) == 4
 
 
 def test_variants_backward_adds_the_backward_builds():
-    fwd = precompile.variants([(2, 8), (4, 8)])
-    both = precompile.variants([(2, 8), (4, 8)], backward=True)
+    fwd = precompile.variants([(2, 8), (4, 8)], context_parallel=False)
+    both = precompile.variants([(2, 8), (4, 8)], backward=True, context_parallel=False)
     assert both[:len(fwd)] == fwd
     assert both[-1:] == prepare_bwd.launcher_builds(8)        # one prepare_bwd build per HV
 
 
 def test_warmup_compiles_the_variants():
     seconds = precompile.warmup([(2, 8)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
-                                progress=False)
+                                context_parallel=False, progress=False)
     assert seconds >= 0
 
 

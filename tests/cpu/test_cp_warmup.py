@@ -1,5 +1,5 @@
-"""The gate-driven warm-up of the device-side CP forward (`flashdelta.cp.windows`, docs/algorithm.md §4.4) on the
-portable backend, on the CPU.
+"""The gate-driven warm-up of the device-side CP forward (`flashdelta.cp.windows`) and backward (`grad_windows`),
+docs/algorithm.md §4.4, on the portable backend, on the CPU.
 
 - the windows equal the float64 reference's `warmup_chunks` (window lengths, fallback heads, summed log decays) on
   ragged partition edges, sequences shorter than a partition, an empty one, many short with one long, dense input,
@@ -16,6 +16,26 @@ portable backend, on the CPU.
   of serial; a never-decaying head falls back and stays exact to fp32 rounding;
 - the request (argument of `make_plan`, FLASHDELTA_CP_WARMUP, the dtype rule of ``auto``) and the cost model with the
   warm-up (expected and worst case).
+
+The backward's warm-up of the end gradients (`flashdelta.cp.grad_windows`):
+
+- its windows (prefixes of the partitions that are not their sequence's first) equal the reference's
+  `warmup_chunks(direction="bwd")` on the same kinds of cases and on a ragged last partition whose window ends at its
+  ragged last chunk; a sequence's first partition walks nothing; the contraction condition sends a partition's heads to
+  the exact path where one of its tokens breaks it and only then (the next sequence's tokens, the padding tail, even
+  NaN, change nothing); the windows trace on meta tensors;
+- `chunk_take` in the portable chunk_dstate (and its float64 twin) gives the start gradient of exactly the first
+  chunks;
+- the F pass over the windows with the warm-up heads' M zeroed and both torch reverse scans give the reference's
+  warm-up end gradients (float64, 1e-12); `cp_chunk_bwd` with the warm-up equals the reference composite (exact start
+  states, warm-up end gradients, chunk_bwd) in every gradient (1e-12), h0 and dht present and absent;
+- at head dim 128 the truncation at every partition boundary is within the documented bound (exp(window log decay) x
+  the gradient at the window's end, compounded through fallback partitions), warm-up on vs exact CP vs serial, and the
+  bound is tight (err / bound >= 0.3);
+- through the public API: the backward's request is the plan's (FLASHDELTA_CP_WARMUP, shared with the forward), every
+  gradient with the warm-up on stays within ~exp(threshold) of serial; a never-decaying head falls back and the
+  gradients stay exact to fp32 rounding; all-zero gates likewise;
+- the cost model with the backward's warm-up (expected and worst case, where it pays and where it does not).
 """
 from __future__ import annotations
 
@@ -25,7 +45,7 @@ import pytest
 import torch
 
 from _helpers import Case, assert_close, make_inputs
-from flashdelta import chunk_gated_delta_rule, cp, portable
+from flashdelta import chunk_gated_delta_rule, cp, dispatch, portable
 from flashdelta.reference import chunked as ref
 from flashdelta.reference import cp as rcp
 
@@ -95,38 +115,53 @@ def test_windows_equal_the_reference(case, L, thr):
         assert bool((win.n(L)[inner][:, 1:] > 1).all()) and bool((win.n(L)[inner][:, 1:] < L).all())
 
 
-def test_windows_contraction_condition():
+# per pass: the window function, its fields compared, two partitions of the first sequence (the forward's inner ones,
+# the backward's second and third, the last one ragged), a token of the first (outside its window) and of the second
+CONTRACTION = {
+    "fwd": (cp.windows, 3, 0, 1, lambda cu, a, b: (int(cu[a]) + 10, int(cu[b + 1]) - 3)),
+    "bwd": (cp.grad_windows, 2, 1, 2, lambda cu, a, b: (int(cu[a + 1]) - 5, int(cu[b]) + 3)),
+}
+
+
+@pytest.mark.parametrize("which", list(CONTRACTION))
+def test_windows_contraction_condition(which):
     """A token with beta ||k||^2 outside [0, 2] (the norm bound's condition, docs/algorithm.md §4.2) sends its
-    partition's head to the exact path; with `keys_normalized` only beta is read (the caller vouches for k);
-    garbage on the padding tail changes nothing."""
+    partition's head to the exact path (the whole partition counts, not only the window); with `keys_normalized`
+    only beta is read (the caller vouches for k); garbage on the padding tail changes nothing; the backward's ragged
+    last partition does not read the next sequence's tokens."""
+    fn, fields, p_a, p_b, tokens = CONTRACTION[which]
     case, L, thr = WINDOW_CASES[0]
     x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
     plan = cp.make_plan(cu, q.shape[1], L)
-    base = cp.windows(g_cumsum, k, beta, plan, thr)
-    p_a, p_b, h = 0, 1, 5                                   # inner partitions of the first sequence; a decaying head
+    base = fn(g_cumsum, k, beta, plan, thr)
+    h = 5                                                    # a decaying head
     assert not bool(base.fallback[p_a, h]) and not bool(base.fallback[p_b, h])
-    t_a = int(plan.cu[p_a]) + 10                            # a token of partition 0 (before its window)
-    t_b = int(plan.cu[p_b + 1]) - 3                         # a token of partition 1's last chunk
+    t_a, t_b = tokens(plan.cu, p_a, p_b)
     beta2 = beta.clone()
     beta2[0, t_a, h] = 2.5                                   # b ||k||^2 = 2.5 > 2
     k2 = k.clone()
     k2[0, t_b, 0] *= 2.0                                     # ||k||^2 = 4: b ||k||^2 > 2 where b > 0.5
     beta2[0, t_b, :] = 0.9
-    win = cp.windows(g_cumsum, k2, beta2, plan, thr)
+    win = fn(g_cumsum, k2, beta2, plan, thr)
     changed = win.fallback != base.fallback
-    assert bool(win.fallback[p_a, h]) and bool(win.fallback[p_b].all()), "every head of partition 1 reads k2[t_b]"
+    assert bool(win.fallback[p_a, h]) and bool(win.fallback[p_b].all()), "every head of p_b reads k2[t_b]"
     assert set(map(tuple, changed.nonzero().tolist())) <= {(p_a, h)} | {(p_b, j) for j in range(case.HV)}
-    normed = cp.windows(g_cumsum, k2, beta2, plan, thr, keys_normalized=True)
+    normed = fn(g_cumsum, k2, beta2, plan, thr, keys_normalized=True)
     assert bool(normed.fallback[p_a, h]) and torch.equal(normed.fallback[p_b], base.fallback[p_b])
     beta3 = beta.clone()
     beta3[0, t_b, 2] = -0.5                                  # a negative write strength expands the state
-    assert bool(cp.windows(g_cumsum, k, beta3, plan, thr).fallback[p_b, 2])
+    assert bool(fn(g_cumsum, k, beta3, plan, thr).fallback[p_b, 2])
     # the padding tail (tokens >= cu[N]) is never read
     pad = slice(int(cu[-1]), None)
     g3, beta4, k4 = g_cumsum.clone(), beta.clone(), k.clone()
     g3[0, pad], beta4[0, pad], k4[0, pad] = -1e4, float("nan"), float("nan")
-    for a, b in zip(cp.windows(g3, k4, beta4, plan, thr)[:3], base[:3]):
+    for a, b in zip(fn(g3, k4, beta4, plan, thr)[:fields], base[:fields]):
         assert torch.equal(a, b)
+    if which == "bwd":      # the tokens right after the ragged p_b (sequence 1's only token, sequence 2's first)
+        beta4[0, int(plan.cu[p_b + 1]):int(plan.cu[p_b + 1]) + 40] = 7.0
+        got = fn(g3, k4, beta4, plan, thr)
+        assert torch.equal(got.take[:p_b + 1], base.take[:p_b + 1])
+        assert torch.equal(got.fallback[:p_b + 1], base.fallback[:p_b + 1])
 
 
 def test_windows_need_no_device_values():
@@ -361,3 +396,322 @@ def test_cost_model_with_the_warmup():
     assert cp.choose(warmup=True, **dict(kw, HV=32)) == 0
     # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on)
     assert cp.choose(**kw) == Lw
+
+
+def _do(v, seed=1):
+    return torch.randn(v.shape, generator=torch.Generator().manual_seed(seed), dtype=v.dtype)
+
+
+# ----------------------------------------------------------------------------------------- backward: windows
+
+GRAD_WINDOW_CASES = WINDOW_CASES + [
+    # (bench_edges: 1100 tokens are 18 chunks, the last of 12 tokens: at L = 6 a ragged third partition)
+    # a ragged last partition whose window needs its ragged last chunk (3 chunks of 64, 64, 20 tokens; the decaying
+    # heads' sums are ~-6.0 to -6.6 after two, ~-6.9 to -7.7 after three), after a first partition of 4
+    (Case("bench_ragged_tail", (404,), H=1, HV=4, K=8, V=8, gate="bench"), 4, -6.8),
+]
+GRAD_WINDOW_IDS = [c[0].name for c in GRAD_WINDOW_CASES]
+
+
+@pytest.mark.parametrize("case,L,thr", GRAD_WINDOW_CASES, ids=GRAD_WINDOW_IDS)
+def test_grad_windows_equal_the_reference(case, L, thr):
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len)
+    parts = rcp.partition(cu, L)
+    want = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="bwd")
+    win = cp.grad_windows(g_cumsum, k, beta, plan, thr)
+    used = slice(0, parts.P)
+    assert win.take.dtype == torch.int32 and win.take.shape == (plan.P, case.HV)
+    assert torch.equal(win.n(plan)[used], want.n) and torch.equal(win.fallback[used], want.fallback)
+    assert_close("log_decay", win.log_decay(plan)[used], want.log_decay, tol=1e-12)
+    first = [p for p in range(parts.P) if parts.first[p]]
+    cont = [p for p in range(parts.P) if not parts.first[p]]
+    assert bool((win.take[first] == 0).all()), "the reverse scan reads no F of a first partition: nothing walked"
+    assert bool((win.take[parts.P:] == 0).all()) and not bool(win.fallback[parts.P:].any()), "unused slots"
+    fb = win.fallback[used]
+    assert bool((win.take[used][fb] == cp.TAKE_ALL).all())
+    if case.gate == "zero":
+        assert bool(win.fallback[cont].all())
+    else:                   # the case exercises both paths; the never-decaying head always falls back
+        assert bool(win.fallback[cont, 0].all()) and bool((~win.fallback[cont] & (win.n(plan)[cont] > 0)).any())
+    if case.name == "bench_dense":
+        assert bool((win.n(plan)[cont][:, 1:] > 1).all()) and bool((win.n(plan)[cont][:, 1:] < L).all())
+    if case.name == "bench_ragged_tail":
+        assert parts.nchunks == (4, 3) and bool((~win.fallback[1, 1:]).all() and (win.n(plan)[1, 1:] == 3).all()), \
+            "the window ends at the ragged last chunk"
+
+
+def test_grad_windows_need_no_device_values():
+    """The windows trace on meta tensors (a data-dependent op, `.item()` or a host read would raise there)."""
+    meta = dict(device="meta")
+    plan = cp.make_plan(torch.empty(6, dtype=torch.int32, **meta), 3000, 4)
+    g = torch.empty(1, 3000, 8, **meta)
+    k = torch.empty(1, 3000, 2, 64, dtype=torch.bfloat16, **meta)
+    beta = torch.empty(1, 3000, 8, dtype=torch.bfloat16, **meta)
+    for normed in (False, True):
+        win = cp.grad_windows(g, k, beta, plan, -10.0, keys_normalized=normed)
+        assert win.take.shape == win.fallback.shape == (plan.P, 8) and win.prefix.shape == (plan.P, 4, 8)
+    exact = cp.grad_windows(g, k, beta, plan, None)
+    assert exact.prefix is None and exact.take.shape == (plan.P, 8)
+
+
+def test_chunk_take_walks_the_first_chunks():
+    """The portable chunk_dstate with `chunk_take` (and its float64 twin) gives the start gradient of a walk over the
+    first chunks only, from a zero gradient at their end: takes past the end walk everything, 0 and negative ones
+    nothing; without it, the stage as before."""
+    case = Case("take", (700, 1, 300, 0, 130), H=1, HV=3, K=16, V=8, pad=4)
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    do = _do(v)
+    take = torch.tensor([[2, 0, 11], [1, 5, 0], [-3, 4, 1], [0, 2, 7], [1, 3, 2]], dtype=torch.int32)
+    got = ref.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=0.25, chunk_take=take)
+    for n in range(len(cu) - 1):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        for h in range(case.HV):
+            end = min(bos + max(int(take[n, h]), 0) * 64, eos)
+            sl = slice(bos, end)
+            one = torch.tensor([0, end - bos], dtype=torch.int32)
+            want = ref.chunk_dstate(q[:, sl], k[:, sl], g_cumsum[:, sl, h:h + 1], beta[:, sl, h:h + 1],
+                                    A[:, sl, h:h + 1], do[:, sl, h:h + 1], one, scale=0.25)
+            assert_close("dh0", got[n, h], want[0, 0], tol=1e-13)
+    everything = torch.full_like(take, 1 << 20)
+    assert torch.equal(ref.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=0.25, chunk_take=everything),
+                       ref.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=0.25))
+    with pytest.raises(ValueError, match="chunk_take"):
+        portable.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=0.25, chunk_take=take[:2])
+    with pytest.raises(ValueError, match="chunk_take"):
+        portable.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=0.25, chunk_take=take.float())
+
+
+# ----------------------------------------------------------------------------------------- backward: end gradients
+
+def _warm_end_grads(q, k, v, g_cumsum, beta, A, do, dht, plan, win, method, scale=0.25):
+    """The device path's end gradients with the warm-up: F over the windows, the warm-up heads' M zeroed, the scan."""
+    M, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    F = cp._start_grads(portable.chunk_dstate, q, k, g_cumsum, beta, A, do, plan, scale=scale, take=win.take)
+    M = M.masked_fill(~win.fallback[:, :, None, None], 0)
+    return cp.scan_grads(M, F, plan, dht, method)
+
+
+@pytest.mark.parametrize("case,L,thr", GRAD_WINDOW_CASES, ids=GRAD_WINDOW_IDS)
+def test_warmup_end_grads_equal_the_reference(case, L, thr):
+    """F over the windows (each warm-up head's prefix, the fallback heads' whole partition, nothing on first
+    partitions), M^T only on fallback heads, and both torch reverse scans give the float64 reference's warm-up end
+    gradients."""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len)
+    parts = rcp.partition(cu, L)
+    win = cp.grad_windows(g_cumsum, k, beta, plan, thr)
+    plan_ref = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="bwd")
+    do = _do(v)
+    N = len(cu) - 1
+    for dht in (torch.randn(N, case.HV, case.K, case.V, generator=torch.Generator().manual_seed(2), dtype=F64), None):
+        want, _ = rcp.warmup_grads(q, k, v, g_cumsum, beta, A, do, dht, parts, plan_ref, scale=0.25)
+        for method in ("serial", "log"):
+            got = _warm_end_grads(q, k, v, g_cumsum, beta, A, do, dht, plan, win, method)
+            assert_close("dS", got[:parts.P], want, tol=1e-12)
+
+
+def _backends():
+    return dispatch.plan(torch.device("cpu"), 16, 16, F64, need_bwd=True)
+
+
+BWD_STAGE_CASES = [GRAD_WINDOW_CASES[0], GRAD_WINDOW_CASES[1], GRAD_WINDOW_CASES[2]]
+
+
+@pytest.mark.parametrize("case,L,thr", BWD_STAGE_CASES, ids=[c[0].name for c in BWD_STAGE_CASES])
+def test_cp_chunk_bwd_warmup_equals_the_reference_composite(case, L, thr):
+    """`cp_chunk_bwd` with the warm-up (the plan's threshold) equals, in every output, the float64 composite of exact
+    start states, the reference's warm-up end gradients and chunk_bwd over the partitions; with the warm-up off it
+    equals serial chunk_bwd; h0 and dht present and absent. (Model gates' decaying heads lose less than float64
+    rounding: exp(-200) per chunk and less.)"""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    do = _do(v)
+    N = len(cu) - 1
+    parts = rcp.partition(cu, L)
+    cu_p = parts.cu_tensor()
+    E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
+    plan_ref = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="bwd")
+    names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
+    for h0, dht in ((x["initial_state"], torch.randn(N, case.HV, case.K, case.V, dtype=F64)), (None, None)):
+        h0p, _ = rcp.scan_states(E, M, parts, h0)
+        h = ref.state_recompute(k, v, g_cumsum, beta, A, h0p, cu_p)
+        dhtp, _ = rcp.warmup_grads(q, k, v, g_cumsum, beta, A, do, dht, parts, plan_ref, scale=0.25)
+        want = list(ref.chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dhtp, cu_p, scale=0.25))
+        want[5] = want[5][parts.first_of()]
+        kw = dict(scale=0.25, backends=_backends())
+        got = cp.cp_chunk_bwd(q, k, v, g_cumsum, beta, A, h0, do, dht, cu, **kw,
+                              plan=cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup=thr))
+        for name, a, b in zip(names, got, want):
+            assert_close(name, a, b, tol=1e-12)
+        exact = cp.cp_chunk_bwd(q, k, v, g_cumsum, beta, A, h0, do, dht, cu, **kw,
+                                plan=cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup="off"))
+        serial = ref.chunk_bwd(q, k, v, g_cumsum, beta, A, ref.state_recompute(k, v, g_cumsum, beta, A, h0, cu), do,
+                               dht, cu, scale=0.25)
+        for name, a, b in zip(names, exact, serial):
+            assert_close(name, a, b, tol=1e-12)
+        if case.gate == "bench":    # (model gates' decaying heads truncate below float64 rounding)
+            assert max(float((a - b).abs().max()) for a, b in zip(got, exact)) > 1e-12, "the warm-up truncated"
+
+
+def _true_end_grads(q, k, v, g_cumsum, beta, A, do, dht, cu):
+    """``[NT, HV, K, V]`` float64: the serial gradient w.r.t. the state after every chunk (walking each sequence's
+    chunk maps back from its dht, `reference.cp.chunk_summaries`)."""
+    cs = rcp.chunk_summaries(q, k, v, g_cumsum, beta, A, do, cu, scale=0.25)
+    lay = portable.chunk_layout(cu, q.shape[1], 64, q.device)
+    out = torch.zeros_like(cs.F)
+    for n in range(lay.N):
+        d = dht[n]
+        for c in reversed(range(lay.chunk_offsets[n], lay.chunk_offsets[n + 1])):
+            out[c] = d
+            d = cs.M[c].transpose(-1, -2) @ d + cs.F[c]
+    return out
+
+
+@pytest.mark.parametrize("case,L,thr,tight", BOUND_CASES, ids=[c[0].name for c in BOUND_CASES])
+def test_warmup_end_grads_within_the_bound(case, L, thr, tight):
+    """Warm-up on vs exact CP vs serial (float64): at every partition boundary each head's end-gradient error is
+    within exp(window log decay) x ||gradient at its window's end|| (compounded through fallback partitions,
+    docs/algorithm.md §4.4), the exact CP end gradients equal the serial ones, and the bound is tight."""
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    do = _do(v)
+    N = len(cu) - 1
+    dht = torch.randn(N, case.HV, case.K, case.V, generator=torch.Generator().manual_seed(4), dtype=F64)
+    plan = cp.make_plan(cu, q.shape[1], L)
+    parts = rcp.partition(cu, L)
+    win = cp.grad_windows(g_cumsum, k, beta, plan, thr)
+    warm = _warm_end_grads(q, k, v, g_cumsum, beta, A, do, dht, plan, win, "serial")
+    exact = _warm_end_grads(q, k, v, g_cumsum, beta, A, do, dht, plan, cp.grad_windows(g_cumsum, k, beta, plan, None),
+                            "serial")
+    truth = _true_end_grads(q, k, v, g_cumsum, beta, A, do, dht, cu)
+    n, decay = win.n(plan), torch.exp(win.log_decay(plan))
+    assert bool((~win.fallback[:parts.P] & (n[:parts.P] > 0)).any()), "the case must truncate"
+    ratios, bound = [], None
+    for p in reversed(range(parts.P)):
+        want = truth[parts.chunk_start[p] + parts.nchunks[p] - 1]
+        assert_close("exact", exact[p], want, tol=1e-12)
+        if parts.last[p]:
+            bound = torch.zeros(case.HV, dtype=F64)
+        err = (warm[p] - want).flatten(1).norm(dim=1)
+        assert bool((err <= bound * (1 + 1e-9) + 1e-13).all()), f"partition {p}: error {err} > bound {bound}"
+        ratios += [float(e / b) for e, b in zip(err, bound) if b > 1e-12]
+        if parts.first[p]:
+            continue
+        we = parts.chunk_start[p] + n[p] - 1                                  # each head's window end (chunk)
+        leaving = torch.stack([truth[int(we[i]), i] for i in range(case.HV)]).flatten(1).norm(dim=1)
+        bound = torch.where(win.fallback[p], decay[p] * bound, decay[p] * leaving)
+    print(f"{case.name}: err/bound max {max(ratios, default=0):.3f}")
+    assert max(ratios, default=0.0) >= tight, f"bound not tight: max err/bound {max(ratios, default=0):.3g}"
+
+
+# ----------------------------------------------------------------------------------------- backward: through the API
+
+BWD_GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _grads(x, cpv, seed=3):
+    """o, the final state and every gradient (dht present) through the public API."""
+    x = {n: (t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+         for n, t in x.items()}
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
+    leaves = [x[n] for n in BWD_GRAD_NAMES if x[n] is not None]
+    return dict(zip([n for n in BWD_GRAD_NAMES if x[n] is not None],
+                    torch.autograd.grad((o, ht), leaves, (do, dht))))
+
+
+@pytest.mark.parametrize("case,L,thr", API_CASES, ids=[c[0].name for c in API_CASES])
+def test_api_warmup_gradients_within_the_threshold(case, L, thr, monkeypatch):
+    """float64 through the public API with the warm-up on (FLASHDELTA_CP_WARMUP = the threshold, the request the
+    forward's plan and the backward's share): every gradient differs from serial by at most ~exp(threshold) and
+    really truncates; with the warm-up off they equal serial to 1e-12."""
+    x = make_inputs(case, dtype=torch.float32)
+    x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    calls = []
+    for tag in ("fwd", "bwd"):
+        real = getattr(cp, f"cp_chunk_{tag}")
+        monkeypatch.setattr(cp, f"cp_chunk_{tag}", lambda *a, tag=tag, real=real, **kw: calls.append(
+            (tag, kw["plan"].warmup)) or real(*a, **kw))
+    ser = _grads(x, False)
+    monkeypatch.setenv(cp.ENV_WARMUP, str(thr))
+    warm = _grads(x, L)
+    assert calls == [("fwd", thr), ("bwd", thr)]
+    monkeypatch.setenv(cp.ENV_WARMUP, "0")
+    exact = _grads(x, L)
+    worst = 0.0
+    for n in ser:
+        worst = max(worst, assert_close("d" + n, warm[n], ser[n], tol=math.exp(thr)))
+        assert_close("d" + n, exact[n], ser[n], tol=1e-12)
+    assert worst > 1e-12, "the warm-up really truncated"
+
+
+@pytest.mark.parametrize("case,L", NEVER_DECAYING, ids=[c[0].name for c in NEVER_DECAYING])
+def test_api_never_decaying_head_keeps_exact_gradients(case, L, monkeypatch):
+    """Model gates (head 0: g = 0, head 1: ~-1e-4 per token) with the warm-up on in fp32: the slow heads fall back, the
+    fast ones truncate far below rounding, so every gradient with CP equals CP off to fp32 rounding; all-zero gates
+    (every head falls back) likewise."""
+    x = make_inputs(case, dtype=torch.float32)
+    _, q, k, _, g_cumsum, beta, _, cu, _ = _stage_inputs(case, dtype=torch.float32)
+    plan = cp.make_plan(cu, q.shape[1], L)
+    win = cp.grad_windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD)
+    cont = ~plan.first
+    assert bool(cont.any()) and bool(win.fallback[cont, 0].all()), "the never-decaying head falls back"
+    if case.gate == "zero":
+        assert bool(win.fallback[cont].all())
+    else:
+        assert bool((~win.fallback[cont]).any()), "the decaying heads warm up"
+    ser = _grads(x, False)
+    monkeypatch.setenv(cp.ENV_WARMUP, "on")
+    got = _grads(x, L)
+    for n in ser:
+        assert_close("d" + n, got[n], ser[n], tol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------- backward: request and model
+
+def test_backward_threshold_follows_the_plan(monkeypatch):
+    """The backward asks the plan's request (the forward's): ``auto`` warms up bf16 only where
+    `cp_model.warmup_pays_bwd` at the plan's L, ``on`` and a threshold everywhere, ``off`` never; fp32 under auto
+    stays exact."""
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    q = torch.empty(1, 32768, 16, 128, dtype=torch.bfloat16, device="meta")
+    wide = cp.make_plan(cu, 32768, 64)                # 16/32 1x32768 at L = 64: 8 partitions x 32 heads, two waves
+    one_wave = cp.make_plan(cu, 8192, 32)             # 16/32 1x8192 at L = 32: 4 x 32 CTAs, one wave
+    assert cp._threshold(wide, q, 32, 128, 128, backward=True) == cp.WARMUP_THRESHOLD
+    assert cp._threshold(wide, q.float(), 32, 128, 128, backward=True) is None, "fp32: exact under auto"
+    assert cp._threshold(one_wave, q, 32, 128, 128, backward=True) is None
+    assert cp._threshold(one_wave._replace(warmup="on"), q, 32, 128, 128, backward=True) == cp.WARMUP_THRESHOLD
+    assert cp._threshold(wide._replace(warmup=-16.0), q.float(), 32, 128, 128, backward=True) == -16.0
+    assert cp._threshold(wide._replace(warmup="off"), q, 32, 128, 128, backward=True) is None
+    monkeypatch.setenv(cp.ENV_WARMUP, "off")
+    assert cp.make_plan(cu, 32768, 64).warmup == "off"
+
+
+def test_cost_model_with_the_backward_warmup():
+    """The backward's expected time with the warm-up is below the exact path's, which (plus the decision) is its
+    worst case; the warm-up runs only where it shortens the F pass: not at 16/32 or 2/4 1x8192 (one wave, bounded
+    by a fallback head's whole partition), but at 16/32 1x32768, which then splits finer; the worst case stays
+    within WORST_MARGIN x serial."""
+    kw = dict(N=1, K=128, V=128, sms=132)
+    for HV, T in ((32, 8192), (4, 8192)):
+        row = dict(kw, T=T, HV=HV, lengths=[T])
+        L = cp.choose_bwd(warmup=True, **row)
+        assert L == cp.choose_bwd(warmup=False, **row) > 0
+        p = cp.predict_bwd(L=L, warmup=True, **row)
+        assert not p["warmup"] and p["cp"] == p["cp_worst"] == cp.predict_bwd(L=L, warmup=False, **row)["cp"]
+    row = dict(kw, T=32768, HV=32, lengths=[32768])
+    Lw, Le = cp.choose_bwd(warmup=True, **row), cp.choose_bwd(warmup=False, **row)
+    assert 0 < Lw < Le, (Lw, Le)
+    w, e = cp.predict_bwd(L=Lw, warmup=True, **row), cp.predict_bwd(L=Lw, warmup=False, **row)
+    assert w["warmup"] and w["start"] < w["start_exact"] == e["start"]
+    assert w["cp"] < e["cp"] < w["cp_worst"] == pytest.approx(e["cp"] + cp.cp_model.WARMUP_BWD_US)
+    assert w["cp"] < cp.predict_bwd(L=Le, warmup=False, **row)["cp"]
+    assert w["cp_worst"] <= cp.WORST_MARGIN * w["serial"]
+    # the first partition walks nothing: one long partition and a short one, the long one first
+    parts, cont = cp.cp_model._parts([128], 96), cp.cp_model._first_parts([128], 96)
+    assert parts == {96: 1, 32: 1} and cont == {32: 1}
+    assert cp.cp_model._first_parts([5, 0, 64, 200], 64) == {64: 2, 8: 1}
+    # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on)
+    assert cp.choose_bwd(**row) == Lw

@@ -6,8 +6,11 @@ gate-driven warm-up (on by default for bf16): the fused forward's `chunk_skip` b
 windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
 (4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
 Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
-the serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192); one CUDA
-graph of forward + backward with CP replayed with new lengths.
+the serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192, exact end
+gradients there: the warm-up would shorten no wave); one CUDA graph of forward + backward with CP replayed with new
+lengths. The backward's warm-up (`FLASHDELTA_CP_WARMUP=1`): chunk_dstate's `chunk_take` builds against the float64
+twin, the backward's windows on the GPU against the reference's, every gradient with it on vs the exact path vs serial
+vs float64 on benchmark gates, and one graph of forward + backward with it replayed with new lengths and gates.
 
 Builds: `builds()` lists every kernel these tests launch (CP's own, `cp.builds`, and the serial passes they are
 compared with, `flashdelta.precompile.variants`); compile them on the CPU machine with
@@ -38,6 +41,7 @@ def builds() -> list:
     todo = [(c, False) for c, _ in CASES] + [(c, True) for c, _ in BWD_CASES]
     todo += [(c, False) for c, _ in WARM_CASES] + [(SKIP_CASE, False), (WARM_GRAPH, False)]
     todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True)]
+    todo += [(c, True) for c, _ in BWD_WARM_CASES] + [(TAKE_CASE, True), (BWD_WARM_GRAPH, True)]
     out = {}
     for case, backward in todo:
         for label, b, a in _variants(case, backward):
@@ -306,18 +310,23 @@ def _cp_grads(x, cpv, do, dht):
     return o, _loss_grads(x, o, ht, do, dht)
 
 
+def _bwd_inputs(case, with_dht: bool):
+    """(inputs, do, dht or None) of a backward case, bf16 on the GPU."""
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    N = len(case.seqlens)
+    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
+    return x, do, torch.randn(shape, generator=gen, device="cuda") if with_dht else None
+
+
 @pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
 def test_cp_backward_matches_recurrence_and_serial(i, monkeypatch):
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     case, L = BWD_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    N = len(case.seqlens)
-    shape = (N, case.HV, case.V, case.K) if case.state_v_first else (N, case.HV, case.K, case.V)
-    dht = torch.randn(shape, generator=gen, device="cuda") if i % 2 == 0 else None
+    x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
     calls = []
     real = cp.cp_chunk_bwd
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
@@ -357,43 +366,150 @@ def test_auto_splits_the_backward_alone(monkeypatch):
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or real_b(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(3)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    plans = []
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or plans.append(
+        (kw["plan"], a[0])) or real_b(*a, **kw))
     _, auto = _cp_grads(x, None, do, None)
     assert fwd == [] and len(bwd) == 1 and bwd[0] > 0, (fwd, bwd)
+    plan, q = plans[0]
+    assert plan.warmup == "auto"
+    assert cp._threshold(plan, q, AUTO_BWD.HV, AUTO_BWD.K, AUTO_BWD.V, backward=True) is None, \
+        "one wave of F either way: the exact end gradients"
     _, off = _cp_grads(x, False, do, None)
     for n in auto:
         assert_close(GRAD_NAMES[n], auto[n], off[n], tol=2e-2)
 
 
 BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
+BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 
-def test_cp_forward_backward_graph_replays_with_new_lengths(monkeypatch):
+@pytest.mark.parametrize("warm", [False, True], ids=["exact", "warmup"])
+def test_cp_forward_backward_graph_replays_with_new_lengths(warm, monkeypatch):
     """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
     with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
-    rounding."""
+    rounding. With the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1, benchmark gates: the backward's windows
+    on the device) the replays also take new gates."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    x = make_inputs(BWD_GRAPH, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    monkeypatch.setenv(cp.ENV_WARMUP, "1" if warm else "auto")
+    case = BWD_WARM_GRAPH if warm else BWD_GRAPH
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    other = make_inputs(case, dtype=torch.bfloat16, device="cuda", seed=1)
     leaves = [x[n] for n in GRAD_INPUTS]
     gen = torch.Generator(device="cuda").manual_seed(5)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
     calls = []
     real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw["plan"].warmup)) or real(
+        *a, **kw))
 
     def step(cpv=4):
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
         return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
 
     graph, g_graph = _capture(step)
-    assert calls == [4, 4]
+    assert calls == [(4, "on" if warm else "auto")] * 2
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
-    for cu in ([0, 10, 4000, 5001], [0, 0, 5001, 5001], [0, 2500, 2600, 4900]):   # new lengths, same N and T
+    gates = (x["g"].detach().clone(), other["g"] * 0.5, other["g"] * 3.0) if warm else (x["g"].detach().clone(),) * 3
+    for cu, g in zip(([0, 10, 4000, 5001], [0, 0, 5001, 5001], [0, 2500, 2600, 4900]), gates):   # same N and T
         with torch.no_grad():
             x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
+            x["g"].copy_(g)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu
         for name, a, b in zip(("o",) + tuple(GRAD_NAMES[n] for n in GRAD_INPUTS), g_graph, step(False)):
             assert_close(name, a, b, tol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------- the backward's warm-up
+
+TAKE_CASE = Case("cp-chunk-take", (700, 1, 300, 0, 1300), H=2, HV=8, K=128, V=128, pad=5)
+
+
+def test_chunk_take_kernel_matches_the_float64_twin():
+    """The SM90 chunk_dstate's `chunk_take` build (the backward warm-up's F pass): the start gradient of each
+    (sequence, head) walk over its first `take` chunks against the float64 twin with the same takes (bf16 PyTorch
+    baseline); takes of 0, inside, past the end, negative, `TAKE_ALL`; the default build gives the whole walk."""
+    from flashdelta.kernels import chunk_dstate as cds
+    from flashdelta.kernels import prepare
+    from flashdelta.reference import chunked as ref
+
+    x = make_inputs(TAKE_CASE, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    do = torch.randn(v.shape, generator=gen, device="cuda").bfloat16()
+    N, HV = cu.shape[0] - 1, TAKE_CASE.HV
+    take = torch.randint(-2, 24, (N, HV), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    take[0, 0], take[4, 1], take[4, 2], take[2, 3] = cp.TAKE_ALL, 0, 3, 1
+    scale = TAKE_CASE.K ** -0.5
+    got = cds.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=scale, chunk_take=take.cuda())
+    args = [t.cpu() for t in (q, k, g_cumsum, beta, A, do)]
+    want = ref.chunk_dstate(*args, cu.cpu(), scale=scale, chunk_take=take)
+    base = portable.chunk_dstate(*args, cu.cpu(), scale=scale, chunk_take=take, compute_dtype=torch.float32,
+                                 operand_dtype=torch.bfloat16)
+    assert_close("dh0", got, want, baseline=base)
+    assert torch.equal(got[4, 1].cpu(), torch.zeros_like(got[4, 1].cpu())), "take 0: nothing walked"
+    whole = cds.chunk_dstate(q, k, g_cumsum, beta, A, do, cu, scale=scale)
+    assert_close("dh0", got[0, 0], whole[0, 0], tol=1e-6)         # TAKE_ALL: the default build's walk
+
+
+BWD_WARM_CASES = [
+    # (case, partition chunks): benchmark gates (~ -3.2 per chunk: 4-chunk windows at -10; heads 0, 1 exactly 0);
+    # dht present in the even rows, absent in the odd ones
+    (Case("cp-bwd-warm-bench-edges", (5000, 1, 700, 0, 130, 64), H=2, HV=8, K=128, V=128, gate="bench", pad=7), 8),
+    (Case("cp-bwd-warm-bench-dense-vfirst-noh0", (3072, 3072), H=2, HV=8, K=128, V=128, varlen=False,
+          state_v_first=True, h0=False, gate="bench"), 12),
+    (Case("cp-bwd-warm-model", (6000, 300), H=2, HV=8, K=128, V=128), 12),
+    (Case("cp-bwd-warm-bench-k64", (3000, 200), H=2, HV=4, K=64, V=64, gate="bench"), 6),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BWD_WARM_CASES)), ids=[c.name for c, _ in BWD_WARM_CASES])
+def test_cp_backward_warmup_matches_recurrence_exact_and_serial(i, monkeypatch):
+    """bf16 with the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1): the backward's windows on the GPU are the
+    reference's (the never-decaying heads fall back, the others truncate), every gradient is no less accurate than
+    the serial backward's against float64 autograd of the recurrence, and it agrees with the exact path
+    (FLASHDELTA_CP_WARMUP=0) far inside the bf16 tolerances (the truncation is <= e^-10 of the gradient)."""
+    from flashdelta.kernels import prepare
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    case, L = BWD_WARM_CASES[i]
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
+    plans = []
+    real = cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: plans.append(kw["plan"]) or real(*a, **kw))
+    _, ser = _cp_grads(x, False, do, dht)
+    monkeypatch.setenv(cp.ENV_WARMUP, "1")
+    _, warm = _cp_grads(x, L, do, dht)
+    monkeypatch.setenv(cp.ENV_WARMUP, "0")
+    _, exact = _cp_grads(x, L, do, dht)
+    assert [p.warmup for p in plans] == ["on", "off"]
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, _ = prepare.prepare_fwd(k, g, beta, cu)
+    win = cp.grad_windows(g_cumsum, k, beta, plans[0], cp.WARMUP_THRESHOLD)
+    parts = rcp.partition(cu.cpu(), L)
+    want_win = rcp.warmup_chunks(g_cumsum.cpu().double(), parts, threshold=cp.WARMUP_THRESHOLD, direction="bwd")
+    assert torch.equal(win.n(plans[0])[:parts.P].cpu(), want_win.n)
+    assert torch.equal(win.fallback[:parts.P].cpu(), want_win.fallback)
+    cont = [p for p in range(parts.P) if not parts.first[p]]
+    assert bool(want_win.fallback[cont, 0].all()), "head 0 never decays (both gate kinds): the exact path"
+    assert bool(((want_win.n[cont] < L) & ~want_win.fallback[cont]).any()), "the case must truncate"
+    x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
+           for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
+    want = _loss_grads(x64, o_ref, ht_ref, do, dht)
+    for n in warm:
+        name = GRAD_NAMES[n]
+        err, err_ser = assert_close(name, warm[n], want[n]), assert_close(name, ser[n], want[n])
+        err_exact = assert_close(name, exact[n], want[n])
+        print(f"{case.name} {name}: warm-up {err:.3e} exact CP {err_exact:.3e} serial {err_ser:.3e}")
+        assert err <= 1.5 * err_ser + 1e-4, f"{name}: CP with the warm-up no less accurate than serial"
+        assert_close(name, warm[n], exact[n], tol=1e-3)
+    if case.pad:
+        for n in ("q", "k", "v", "g", "beta"):
+            assert torch.all(warm[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"

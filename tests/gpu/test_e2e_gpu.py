@@ -184,7 +184,7 @@ def builds() -> list:
         todo_case += [b for b in variants([(case.H, case.HV)], head_dim=(case.K, case.V), dtype=torch.bfloat16,
                                           beta_dtype=torch.float32, initial_state=(case.h0,),
                                           state_v_first=(case.state_v_first,), qk_l2norm=False,
-                                          num_sms=_tl.DEFAULT_NUM_SMS, backward=backward)
+                                          num_sms=_tl.DEFAULT_NUM_SMS, backward=backward, context_parallel=False)
                       if b[1].__name__ not in ("prepare_oneshot.build", "prepare_pipe.build")]
         for label, b, a in todo_case:
             out.setdefault((b.__name__, a), (f"e2e {case.name}: {label}", b, a))

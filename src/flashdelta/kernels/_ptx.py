@@ -366,16 +366,11 @@ __device__ __forceinline__ int fd_find_seq(const int* cu, int slot, int n_seqs, 
   return lo;
 }
 __device__ __forceinline__ float fd_gate_floor(float x) { return x < """ + f"{GATE_FLOOR!r}f" + r""" ? """ + f"{GATE_FLOOR!r}f" + r""" : x; }
-// the G value heads of an item at once (g, gc point at head 0; heads are adjacent): every load issued first
+// the inclusive cumsum over rows [0, 64) of G columns held two rows per lane (x0: row lane, x1: row lane + 32) by a
+// shuffle scan, rows [0, rows) written to gc (rows `pitch` floats apart)
 template <int G>
-__device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long long pitch, int rows, bool zero,
-                                               int lane) {
-  float x0[G], x1[G];
-  #pragma unroll
-  for (int j = 0; j < G; ++j) {
-    x0[j] = !zero && lane < rows ? fd_gate_floor(g[lane * pitch + j]) : 0.f;
-    x1[j] = !zero && lane + 32 < rows ? fd_gate_floor(g[(lane + 32) * pitch + j]) : 0.f;
-  }
+__device__ __forceinline__ void fd_scan64_store(float (&x0)[G], float (&x1)[G], float* gc, long long pitch, int rows,
+                                                int lane) {
   #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     #pragma unroll
@@ -391,5 +386,17 @@ __device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long l
     if (lane < rows) gc[lane * pitch + j] = x0[j];
     if (lane + 32 < rows) gc[(lane + 32) * pitch + j] = x1[j];
   }
+}
+// the G value heads of an item at once (g, gc point at head 0; heads are adjacent): every load issued first
+template <int G>
+__device__ __forceinline__ void fd_gate_cumsum(const float* g, float* gc, long long pitch, int rows, bool zero,
+                                               int lane) {
+  float x0[G], x1[G];
+  #pragma unroll
+  for (int j = 0; j < G; ++j) {
+    x0[j] = !zero && lane < rows ? fd_gate_floor(g[lane * pitch + j]) : 0.f;
+    x1[j] = !zero && lane + 32 < rows ? fd_gate_floor(g[(lane + 32) * pitch + j]) : 0.f;
+  }
+  fd_scan64_store<G>(x0, x1, gc, pitch, rows, lane);
 }
 """

@@ -14,6 +14,11 @@ Six GEMMs per chunk against `chunk_bwd`'s nineteen, and neither the states (h) n
 chunk maps only. Same operand roundings as `chunk_bwd` (bf16/fp16 operands, fp32 accumulation), so its F equals
 the dh0 of a `chunk_bwd` launch with a zero dht up to the GEMMs' summation order.
 
+Context parallelism's backward warm-up (docs/algorithm.md §4.4) launches builds with `chunk_take`: each (sequence,
+value head) walks only its first ``take[n, hv]`` chunks, from a zero gradient at the end of chunk take - 1 (the start
+gradient of a prefix window); the chunk count moves, nothing else changes, and the builds without the flag are the
+same code as before it existed.
+
 One CTA (two warpgroups) per (sequence, value head), all of V in the CTA, ``dS^T [V, K]`` fp32 in registers.
 q, k, dO and A arrive by TMA into a two-slot ring, the next chunk's tiles issued when the current chunk starts;
 the gates load into registers one chunk early. Output ``dh0 [N, HV, K, V]`` fp32 (K-first). CTA x index =
@@ -31,13 +36,25 @@ NS = 2          # ring slots of q, k, dO, A
 
 
 @_tl.jit()
-def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float):
-    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic."""
+def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, chunk_take: bool = False):
+    """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. chunk_take: a
+    ``take [N, HV]`` int32 input; the CTA of (sequence n, value head hv) walks chunks ``take[n, hv] - 1`` down to 0
+    (take clamped to [0, NT_n]) from a zero gradient, so dh0 is the start gradient of the sequence's first ``take``
+    chunks (0 where take <= 0). Without it the kernel is unchanged."""
     G = HV // H
     acc = "float32"
     assert HV % H == 0 and (K, V) in HEAD_DIMS
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
+    # without chunk_take `take` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
+    take_t = T.Tensor((N_, HV), "int32") if chunk_take else None
+
+    def walk_chunks(bos, eos, take, i_n, i_hv):
+        # the chunks walked: with chunk_take, the first take[n, hv] (clamped, so that a take past the end walks the
+        # whole sequence and a negative one nothing); else every chunk of the sequence
+        if not chunk_take:
+            return T.ceildiv(eos - bos, BT)
+        return T.min(T.max(take[i_n, i_hv], 0), T.ceildiv(eos - bos, BT))
 
     @T.macro
     def issue(c, st, bos, i_h, i_hv, tx, q, k, do, A, q_s, k_s, do_s, a_s, full):
@@ -60,6 +77,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         do: T.Tensor((1, T_, HV, V), dtype),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         dh0: T.Tensor((N_, HV, K, V), acc),
+        take: take_t,
     ):
         with T.Kernel(N_ * HV, threads=THREADS) as bx:
             i_n = bx // HV
@@ -93,7 +111,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
 
             bos = cu_seqlens[i_n]
             eos = cu_seqlens[i_n + 1]
-            NT = T.ceildiv(eos - bos, BT)
+            NT = walk_chunks(bos, eos, take, i_n, i_hv)
             T.clear(ds_f)
             if NT > 0:
                 issue(NT - 1, 0, bos, i_h, i_hv, tx, q, k, do, A, q_s, k_s, do_s, a_s, full)
@@ -168,24 +186,32 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
 
 
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float) -> tuple:
-    """The `build` arguments (its compile-cache key) for one call."""
+    """The `build` arguments (its compile-cache key) for one call without `chunk_take` (append True for the build
+    with it)."""
     return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale))
 
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                    scale: float) -> list:
-    """(label, builder, args) of the kernel `chunk_dstate` launches for these heads, dims and dtypes."""
-    return [(f"chunk_dstate H={H} HV={HV} K={K} V={V}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, scale))]
+                    scale: float, chunk_take=(False,)) -> list:
+    """(label, builder, args) of the kernels `chunk_dstate` launches for these heads, dims and dtypes; `chunk_take`
+    (True: the build with the per-(sequence, head) chunk limit, which only context parallelism's backward warm-up
+    launches, `cp.builds`)."""
+    label = f"chunk_dstate H={H} HV={HV} K={K} V={V}"
+    args = builder_args(H, HV, K, V, dtype, beta_dtype, scale)
+    return [(label + " take", build, args + (True,)) if take else (label, build, args) for take in chunk_take]
 
 
-def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=64):
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=64, chunk_take=None):
     """Each sequence's start gradient from a zero end gradient (what `chunk_bwd` returns as dh0 with dht = 0).
 
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; do: ``[1, T, HV, V]`` (cast to q's dtype); (K, V) in `HEAD_DIMS`.
         g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+        chunk_take: None, or ``[N, HV]`` int32 (other integer dtypes are converted on the device): sequence n's
+            value head hv walks only its first ``chunk_take[n, hv]`` chunks (clamped to [0, its chunk count]), from
+            a zero gradient at the end of the last of them (context parallelism's backward warm-up,
+            `flashdelta.cp`).
 
     Returns:
         ``[N, HV, K, V]`` fp32 (K-first). One launch of N * HV CTAs; no host synchronisation.
@@ -195,10 +221,18 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=6
     N = cu_seqlens.shape[0] - 1
     assert chunk_size == BT and (K, V) in HEAD_DIMS and HV % H == 0
     assert q.dtype == k.dtype and q.dtype in DTYPES and g_cumsum.dtype == torch.float32
+    if chunk_take is not None:
+        assert tuple(chunk_take.shape) == (N, HV) and not chunk_take.dtype.is_floating_point, \
+            "chunk_take: integer [N, HV]"
+        chunk_take = chunk_take.to(torch.int32).contiguous()
     out = _tl.alloc((N, HV, K, V), torch.float32, q.device)
     if T_ == 0 or N == 0:
         return out.zero_()
-    kernel = build(*builder_args(H, HV, K, V, q.dtype, beta.dtype, scale))
-    kernel(q.contiguous(), k.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.to(q.dtype).contiguous(),
-           do.to(q.dtype).contiguous(), _tl.cu_seqlens_int32(cu_seqlens), out)
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, scale)
+    tensors = (q.contiguous(), k.contiguous(), g_cumsum.contiguous(), beta.contiguous(), A.to(q.dtype).contiguous(),
+               do.to(q.dtype).contiguous(), _tl.cu_seqlens_int32(cu_seqlens), out)
+    if chunk_take is None:
+        build(*args)(*tensors)
+    else:
+        build(*args, True)(*tensors, chunk_take)
     return out

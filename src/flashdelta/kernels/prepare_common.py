@@ -49,7 +49,7 @@ __device__ __forceinline__ float fd_gdn_gate(float g, float a_log, float bias) {
 }
 __device__ __forceinline__ float fd_beta_act(float x, float act) { return act / (1.f + expf(-x)); }
 // the persistent kernel's gate cumsum of G adjacent value heads (as _ptx's fd_gate_cumsum) from the raw gate:
-// every load issued first, fd_gdn_gate on each, then the shuffle scan over rows [0, rows) (zero: all 0)
+// every load issued first, fd_gdn_gate on each, then _ptx's fd_scan64_store (zero: all 0)
 template <int G, bool BIAS, typename TG, typename TA, typename TB>
 __device__ __forceinline__ void fd_gdn_gate_cumsum(const TG* g, float* gc, long long pitch, int rows, bool zero,
                                                    int lane, const TA* a_log, const TB* dt_bias) {
@@ -61,21 +61,7 @@ __device__ __forceinline__ void fd_gdn_gate_cumsum(const TG* g, float* gc, long 
     x0[j] = !zero && lane < rows ? fd_gdn_gate(static_cast<float>(g[lane * pitch + j]), a, b) : 0.f;
     x1[j] = !zero && lane + 32 < rows ? fd_gdn_gate(static_cast<float>(g[(lane + 32) * pitch + j]), a, b) : 0.f;
   }
-  #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const float y0 = __shfl_up_sync(0xffffffffu, x0[j], d);
-      const float y1 = __shfl_up_sync(0xffffffffu, x1[j], d);
-      if (lane >= d) { x0[j] += y0; x1[j] += y1; }
-    }
-  }
-  #pragma unroll
-  for (int j = 0; j < G; ++j) {
-    x1[j] += __shfl_sync(0xffffffffu, x0[j], 31);
-    if (lane < rows) gc[lane * pitch + j] = x0[j];
-    if (lane + 32 < rows) gc[(lane + 32) * pitch + j] = x1[j];
-  }
+  fd_scan64_store<G>(x0, x1, gc, pitch, rows, lane);
 }
 """
 

@@ -42,28 +42,43 @@ KERNELS = KernelSet(
 )
 
 
+def stage_beta_dtype(beta_dtype: torch.dtype, beta_act: int) -> torch.dtype:
+    """The beta dtype of the stages after `prepare_fwd`: with a beta activation (beta_act 1 or 2) the activated beta
+    it writes (fp32), else beta as the forward passes it."""
+    return torch.float32 if beta_act else beta_dtype
+
+
 def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
                    h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
-                   state_v_first: tuple = (False,), qk_l2norm: bool = True, num_sms: Optional[int] = None) -> list:
+                   state_v_first: tuple = (False,), qk_l2norm: bool = True, num_sms: Optional[int] = None,
+                   g_dtype: torch.dtype = torch.float32, a_log_dtype: Optional[torch.dtype] = None,
+                   dt_bias_dtype: Optional[torch.dtype] = None, beta_act: int = 0) -> list:
     """(label, builder, args) of every kernel the SM90 forward launches for these (H, HV) pairs: the q/k
     normalisation (with qk_l2norm), each build `prepare_fwd` may pick, and the fused kernel with and without an
     initial state in each state layout. beta_dtype / h0_dtype as the forward passes them (`KERNELS.param_dtype`).
-    num_sms: the target GPU's SM count (the persistent prepare kernel's grid; None: this machine's GPU, else 132)."""
+    num_sms: the target GPU's SM count (the persistent prepare kernel's grid; None: this machine's GPU, else 132).
+    g_dtype, a_log_dtype, dt_bias_dtype, beta_act: `prepare_fwd`'s in-kernel gate and beta activation
+    (`prepare.launcher_builds`: an A_log dtype makes g the raw gate in g_dtype, fp32 otherwise; dt_bias None: no
+    bias); with beta_act the fused kernel reads the activated beta in fp32 (`stage_beta_dtype`)."""
     K, V = head_dim
     out = l2norm.launcher_builds(K, dtype) if qk_l2norm else []
+    gate = dict(g_dtype=g_dtype, a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype, beta_act=beta_act)
+    chunk_beta = stage_beta_dtype(beta_dtype, beta_act)
     for H, HV in heads:
-        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms)
-        out += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, initial_state, state_v_first)
+        out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms, **gate)
+        out += fused_fwd.launcher_builds(H, HV, K, V, dtype, chunk_beta, h0_dtype, scale, initial_state, state_v_first)
     return out
 
 
 def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
-                    state_v_first: tuple = (False,)) -> list:
+                    state_v_first: tuple = (False,), beta_act: int = 0) -> list:
     """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
-    `KERNELS` in `stages.BACKWARD` that the forward does not run), options as in `forward_builds`; none for the
-    state recompute and chunk_bwd where their head dims are not supported (they run on the portable path)."""
+    `KERNELS` in `stages.BACKWARD` that the forward does not run; its recompute of `prepare_fwd` takes the forward's
+    builds), options as in `forward_builds`; none for the state recompute and chunk_bwd where their head dims are not
+    supported (they run on the portable path). With beta_act they read the activated beta in fp32."""
     K, V = head_dim
+    beta_dtype = stage_beta_dtype(beta_dtype, beta_act)
     out = []
     for H, HV in heads:
         if (K, V) in chunk_bwd.HEAD_DIMS:
@@ -77,14 +92,17 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
 
 def decode_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
                   h0_dtype: torch.dtype, scale: float, initial_state: tuple = (True,), state_v_first: tuple = (False,),
-                  qk_l2norm: bool = True, varlen: tuple = (False, True)) -> list:
+                  qk_l2norm: bool = True, varlen: tuple = (False, True), g_dtype: torch.dtype = torch.float32,
+                  gate: Optional[tuple] = None, beta_act: int = 0) -> list:
     """(label, builder, args) of the decode kernel (`kernels.decode`, `fused_recurrent_gated_delta_rule`) for these
-    (H, HV) pairs: fp32 g, the final state written, dense and varlen input; none where the kernel lacks the head
-    dims or dtype (the portable path runs those calls)."""
+    (H, HV) pairs: g in g_dtype (fp32 by default), the final state written, dense and varlen input; gate ``(A_log
+    dtype, dt_bias dtype or None)`` and beta_act the in-kernel gate and beta activation (`decode.launcher_builds`);
+    none where the kernel lacks the head dims or dtype (the portable path runs those calls)."""
     K, V = head_dim
     if decode.unsupported(K, V, dtype, dtype) is not None:
         return []
     return [b for H, HV in heads
             for b in decode.launcher_builds(H, HV, K, V, dtype, beta_dtype=beta_dtype, scale=scale, h0_dtype=h0_dtype,
                                             qk_l2norm=qk_l2norm, initial_state=initial_state,
-                                            state_v_first=state_v_first, varlen=varlen)]
+                                            state_v_first=state_v_first, varlen=varlen, g_dtype=g_dtype, gate=gate,
+                                            beta_act=beta_act)]

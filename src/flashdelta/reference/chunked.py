@@ -50,9 +50,9 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
                         cu_seqlens, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size, **_F64)
 
 
-def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64):
+def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64, chunk_take=None):
     return _p.chunk_dstate(_up(q), _up(k), _up(g_cumsum), _up(beta), _up(A), _up(do), cu_seqlens, scale=scale,
-                           chunk_size=chunk_size, **_F64)
+                           chunk_size=chunk_size, chunk_take=chunk_take, **_F64)
 
 
 def group_sum(dx, H):

@@ -1,0 +1,79 @@
+"""Context parallelism's `chunk_take` builds of `chunk_dstate` (the backward warm-up's F pass, docs/algorithm.md §4.4)
+on the CPU: listed under their own cache keys where CP lists its builds (`cp.builds` with the backward, beside the
+exact pass's default build, whose arguments are unchanged), they compile for sm_90a, pass the hang checks, read
+`take [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame). The two builds (~8 s
+each, compiled at once): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark rows' dims) and K = V = 64 fp16 with
+fp16 beta at 16/32. tests/gpu/test_cp_gpu.py runs them on the GPU.
+"""
+import concurrent.futures
+import re
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from _builds import hang_checks  # noqa: E402
+
+from flashdelta import cp, toolkit  # noqa: E402
+from flashdelta.kernels import chunk_dstate  # noqa: E402
+
+pytestmark = pytest.mark.compile
+
+TAKE_BUILDS = {
+    "128-bf16": chunk_dstate.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5) + (True,),
+    "64-fp16": chunk_dstate.builder_args(16, 32, 64, 64, torch.float16, torch.float16, 0.125) + (True,),
+}
+
+
+def test_take_builds_are_listed_where_cp_lists_its_builds():
+    lb = chunk_dstate.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
+                                      chunk_take=(False, True))
+    default = chunk_dstate.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)
+    assert [a for _, _, a in lb] == [default, TAKE_BUILDS["128-bf16"]] and lb[1][0].endswith(" take")
+    assert chunk_dstate.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5) == lb[:1], \
+        "the default list is the build without the flag"
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
+                                                     backward=True)}
+    name = chunk_dstate.build.__name__
+    assert (name, default) in keys and (name, TAKE_BUILDS["128-bf16"]) in keys
+    fwd_only = {a for _, _, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    assert TAKE_BUILDS["128-bf16"] not in fwd_only, "the forward alone launches no chunk_dstate"
+
+
+def _ptxas_report(src: str, tmp_path, name: str) -> str:
+    """ptxas' resource lines for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
+    from tilelang.env import env as tl_env
+
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(src)
+    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
+           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
+           "-v", str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """name -> the compiled take build (or its exception), both compiled at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(TAKE_BUILDS)) as pool:
+        futures = {name: pool.submit(chunk_dstate.build, *args) for name, args in TAKE_BUILDS.items()}
+        return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", list(TAKE_BUILDS))
+def test_take_build_compiles_within_budget(name, compiled, tmp_path):
+    kernel = compiled[name]
+    if isinstance(kernel, BaseException):
+        raise kernel
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    sig = src[src.index("chunk_dstate_kernel_kernel("):].split(")", 1)[0]
+    assert "const int* __restrict__ take" in sig
+    assert re.search(r"int NT = min\(max\(take\[", src), "the walk's chunk count comes from take"
+    report = _ptxas_report(src, tmp_path, name)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= 255, report

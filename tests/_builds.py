@@ -208,3 +208,21 @@ def hang_checks(src: str, host_src: str) -> list:
     if (smem + 1024) * blocks > SMEM_PER_SM:
         bad.append(f"{smem} B of shared memory per CTA do not fit {blocks} CTAs per SM")
     return bad
+
+
+def ptxas_report(src: str, tmp_path, name: str, defines: tuple = ()) -> str:
+    """ptxas' resource lines for a build's generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math;
+    `defines`: extra -D flags), in tmp_path/<name>.cu."""
+    import subprocess
+
+    from tilelang.env import env as tl_env
+
+    from flashdelta import toolkit
+
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(src)
+    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
+           "--use_fast_math", *(f"-D{d}" for d in defines), f"-I{tl_env.TILELANG_TEMPLATE_PATH}",
+           f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return res.stdout + res.stderr

@@ -8,16 +8,15 @@ without h0, with the final state. tests/gpu/test_cp_scan.py runs them on the GPU
 """
 import concurrent.futures
 import re
-import subprocess
 
 import pytest
 import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks  # noqa: E402
+from _builds import hang_checks, ptxas_report  # noqa: E402
 
-from flashdelta import cp, toolkit  # noqa: E402
+from flashdelta import cp  # noqa: E402
 from flashdelta.kernels import cp_scan  # noqa: E402
 
 BUILDS = {
@@ -25,19 +24,6 @@ BUILDS = {
     "bwd-v256-bv32-dht-dh0": cp_scan.builder_args(8, 128, 256, 32, reverse=True, has_init=True, store_final=True),
     "fwd-64-final": cp_scan.builder_args(4, 64, 64, 16, reverse=False, has_init=False, store_final=True),
 }
-
-
-def _ptxas_report(src: str, tmp_path) -> str:
-    """ptxas' resource line for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
-    from tilelang.env import env as tl_env
-
-    cu = tmp_path / "cp_scan.cu"
-    cu.write_text(src)
-    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "cp_scan.cubin"), "-std=c++17", "-O3",
-           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
-           "-v", str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +43,7 @@ def test_cp_scan_build_compiles_without_spills(label, compiled, tmp_path):
     assert hang_checks(src, kernel.get_host_source()) == []
     assert not re.search(r"wgmma|\bmma\b|mma_sync|tf32", src), "the scan must not use tensor cores"
     assert "cp_async" in src and src.count("__syncthreads()") == 1         # one barrier per step
-    report = _ptxas_report(src, tmp_path)
+    report = ptxas_report(src, tmp_path, "cp_scan")
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert re.search(r"\b0 bytes stack frame", report), report

@@ -13,7 +13,6 @@ import concurrent.futures
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import types
 
@@ -22,10 +21,9 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks  # noqa: E402
+from _builds import hang_checks, ptxas_report  # noqa: E402
 
 from flashdelta import UnsupportedError, dispatch, fused_recurrent_gated_delta_rule, precompile, recurrent  # noqa: E402
-from flashdelta import toolkit  # noqa: E402
 from flashdelta.kernels import decode, sm90  # noqa: E402
 
 _GPU_TEST = os.path.join(os.path.dirname(__file__), "..", "gpu", "test_decode.py")
@@ -55,19 +53,6 @@ SMALLEST = decode.builder_args(2, 4, 64, 64, torch.float32, torch.float32, g_dty
 BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST}
 
 
-def _ptxas_report(src: str, tmp_path) -> str:
-    """ptxas' resource line for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
-    from tilelang.env import env as tl_env
-
-    cu = tmp_path / "decode.cu"
-    cu.write_text(src)
-    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "decode.cubin"), "-std=c++17", "-O3",
-           "--use_fast_math", "-DENABLE_BF16", f"-I{tl_env.TILELANG_TEMPLATE_PATH}",
-           f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """label -> the compiled kernel (or its exception), all three compiled at once."""
@@ -83,7 +68,7 @@ def test_decode_build_compiles_without_spills(label, compiled, tmp_path):
         raise kernel
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
-    report = _ptxas_report(src, tmp_path)
+    report = ptxas_report(src, tmp_path, "decode", defines=("ENABLE_BF16",))
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert "bytes stack frame" in report and re.search(r"\b0 bytes stack frame", report), report

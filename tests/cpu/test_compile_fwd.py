@@ -124,30 +124,13 @@ SKIP_BUILDS = {   # the M pass (identity start, width K) and the E pass (zero st
 }
 
 
-def _ptxas_report(src: str, tmp_path, name: str) -> str:
-    """ptxas' resource lines for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
-    import subprocess
-
-    from tilelang.env import env as tl_env
-
-    from flashdelta import toolkit
-
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
-           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
-           "-v", str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
-
-
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
     under their own cache keys (the default builds' arguments are unchanged), they compile for sm_90a, pass the hang
     checks, read `skip [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
-    from _builds import hang_checks
+    from _builds import hang_checks, ptxas_report
 
     lb = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
                                    initial_state=(True, False), chunk_skip=(False, True))
@@ -164,5 +147,5 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert hang_checks(src, kernel.get_host_source()) == [], name
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "const int* __restrict__ skip" in sig, name
-        report = _ptxas_report(src, tmp_path, name)
+        report = ptxas_report(src, tmp_path, name)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -7,16 +7,15 @@ fp16 beta at 16/32. tests/gpu/test_cp_gpu.py runs them on the GPU.
 """
 import concurrent.futures
 import re
-import subprocess
 
 import pytest
 import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks  # noqa: E402
+from _builds import hang_checks, ptxas_report  # noqa: E402
 
-from flashdelta import cp, toolkit  # noqa: E402
+from flashdelta import cp  # noqa: E402
 from flashdelta.kernels import chunk_dstate  # noqa: E402
 
 pytestmark = pytest.mark.compile
@@ -42,19 +41,6 @@ def test_take_builds_are_listed_where_cp_lists_its_builds():
     assert TAKE_BUILDS["128-bf16"] not in fwd_only, "the forward alone launches no chunk_dstate"
 
 
-def _ptxas_report(src: str, tmp_path, name: str) -> str:
-    """ptxas' resource lines for the generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math)."""
-    from tilelang.env import env as tl_env
-
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
-           "--use_fast_math", f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas",
-           "-v", str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """name -> the compiled take build (or its exception), both compiled at once."""
@@ -73,7 +59,7 @@ def test_take_build_compiles_within_budget(name, compiled, tmp_path):
     sig = src[src.index("chunk_dstate_kernel_kernel("):].split(")", 1)[0]
     assert "const int* __restrict__ take" in sig
     assert re.search(r"int NT = min\(max\(take\[", src), "the walk's chunk count comes from take"
-    report = _ptxas_report(src, tmp_path, name)
+    report = ptxas_report(src, tmp_path, name)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 255, report

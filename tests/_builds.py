@@ -188,8 +188,8 @@ def hang_checks(src: str, host_src: str) -> list:
 
     - a block-wide barrier under a thread-dependent branch (`divergent_syncs`);
     - warp-specialized kernels (setmaxnreg): any block-wide barrier past the one after the mbarrier init (the roles
-      synchronise through mbarriers), or setmaxnreg budgets that add up to more registers than the launch holds
-      (a setmaxnreg.inc that never returns);
+      synchronise through mbarriers), or setmaxnreg budgets that add up to more registers than the launch holds, or
+      an increase that no decrease pays for (a setmaxnreg.inc that never returns);
     - more shared memory per CTA than the CTAs per SM the build is sized for (`__launch_bounds__`) can have.
     """
     from _helpers import divergent_syncs
@@ -204,6 +204,12 @@ def hang_checks(src: str, host_src: str) -> list:
         cap = REGS_PER_SM // (threads * blocks) // 8 * 8       # registers per thread at launch
         if sum(regs) > threads // 128 * cap:
             bad.append(f"setmaxnreg budgets {regs} exceed {threads // 128} warpgroups x {cap} registers")
+        # the registers an increase takes come only from what decreases give back (the CTA's pool is its launch
+        # allocation), so a budget above the launch's needs one below it
+        ups = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+        downs = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+        if any(n > cap for n in ups) and not any(n < cap for n in downs):
+            bad.append(f"setmaxnreg increases {ups} above the launch's {cap} registers, but no decrease below it")
     smem = dyn_smem_bytes(host_src)
     if (smem + 1024) * blocks > SMEM_PER_SM:
         bad.append(f"{smem} B of shared memory per CTA do not fit {blocks} CTAs per SM")

@@ -61,11 +61,10 @@ LOG2E = 1.4426950408889634
 # the state warpgroups split every GEMM by rows: warpgroup w owns value rows [64 w, 64 w + 64) of dS^T and of the
 # [V, BT] chain tiles, so the chain needs no exchange between them
 FULL_ROW = T.GemmWarpPolicy.FullRow
-# registers per thread of each role (setmaxnreg: ptxas compiles each role's code to its own budget; at V = 128,
-# 2 x 168 + 176 = 512 = 65,536 / 128). The state warpgroups spill below 168; the chunk warpgroup still spills
-# 136 B at 176 (it had 160 B at a flat 168; 2 x 160 + 192 spilled 248 B in all). At V = 64 (256 threads) the
-# launch's 255 suffices for both (212 used, no spill), so no setmaxnreg there.
-NREG_STATE, NREG_CHUNK = 168, 176
+# No setmaxnreg: it moves registers only within the CTA's launch allocation (168 per thread at 384 threads, the
+# most ptxas gives; 64,512 of the SM's 65,536), and the state warpgroups spill below 168, so there is nothing to
+# give the chunk warpgroup. Everything compiles at 168 (the chunk warpgroup spills 160 B); at V = 64 (256 threads)
+# at the launch's 255 (212 used, no spill).
 
 TABLE = timeline.Table(
     "chunk_bwd",
@@ -233,8 +232,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
 
                 if tx < ST:
                     # ================= state warpgroups: the dS chain, dv =================
-                    if ST == 256:
-                        T.set_max_nreg(NREG_STATE, 0)
                     ds_f = T.alloc_fragment((V, K), acc)        # dS^T, carried across chunks
                     x_f = T.alloc_fragment((V, BT), acc)        # X^T = dS1^T K^T
                     y_f = T.alloc_fragment((V, BT), acc)        # Y^T = dO^T Pg
@@ -322,8 +319,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     mark.end()
                 else:
                     # ================= chunk warpgroup: loads, the forward pieces, dq, the inverse, dk, rows ======
-                    if ST == 256:
-                        T.set_max_nreg(NREG_CHUNK, 1)
                     ta = tx - A0
                     u_f = T.alloc_fragment((BT, V), acc)
                     w_f = T.alloc_fragment((BT, V), dtype)

@@ -73,6 +73,33 @@ __device__ __forceinline__ void fd_colsum64_part(const float* x, void* part_v, i
 }
 """
 
+# chunk_bwd: row sums of one warpgroup's [64, N] fp32 wgmma accumulator (N / 2 values per thread in the layout above;
+# a warpgroup of a multi-warpgroup product holds its own N columns, the same layout). Each thread adds its values of
+# rows 16 warp + 8 h + lane / 4 (h = 0, 1) in register order, the quad's four lanes (lane bits 0..1) add by shuffles,
+# and lane 0 of each quad writes part[row] (fp32 shared, generic address): the warpgroup's part of the 64 row sums.
+# The caller adds the warpgroups' parts in a fixed order.
+ROWSUM_PRELUDE = r"""
+template <int N>
+__device__ __forceinline__ void fd_rowsum64_part(const float* x, void* part_v, int tx) {
+  float* const part = static_cast<float*>(part_v);
+  const int lane = tx & 31, r0 = 16 * ((tx >> 5) & 3) + (lane >> 2);
+  float s0 = 0.f, s1 = 0.f;
+  #pragma unroll
+  for (int n = 0; n < N / 8; ++n) {
+    s0 += x[4 * n] + x[4 * n + 1];
+    s1 += x[4 * n + 2] + x[4 * n + 3];
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if ((lane & 3) == 0) {
+    part[r0] = s0;
+    part[r0 + 8] = s1;
+  }
+}
+"""
+
 # chunk_bwd: dv rows from the state warpgroups' dv^T [V, BT] fp32 accumulator (32 values per thread, the layout above
 # with the warp index running over all state warps: register 4 n + 2 h + e holds v = 16 warp + 8 h + lane / 4,
 # t = 8 n + 2 (lane % 4) + e) to dst[t * pitch + v] (dst: the chunk's first row at the value head) for t < rows, in
@@ -107,7 +134,8 @@ STORE_DVT = {"bfloat16": "fd_store_dvt<false>", "float16": "fd_store_dvt<true>"}
 
 # chunk_bwd: rows [0, rows) of one warpgroup's [64, N] fp32 wgmma accumulator (register 4 n + 2 h + e holds row
 # 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e) to dst[row * pitch + column] as float2 stores (dst: the
-# chunk's first row); one 64-bit base, 32-bit offsets.
+# chunk's first row; a warpgroup of a multi-warpgroup product passes its own first column); one 64-bit base, 32-bit
+# offsets.
 STORE_ACC_PRELUDE = r"""
 template <int N>
 __device__ __forceinline__ void fd_store_acc_f32(const float* x, void* dst, int pitch, int rows, int tx) {

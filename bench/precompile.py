@@ -5,7 +5,8 @@ loads kernels instead of compiling them (~3-8 s of device time each):
     bash bench/dev/tlcache.sh pack        # then carry .cache/tl-ship.tar.xz (bench/dev/tlcache.sh unpack there)
 
 --tests: every kernel build the GPU tier launches (tests/_builds.py `gpu_tier`, from the case tables in
-tests/cases.py: the stage tests, with the builds they ask for through launcher arguments, and the public-API tests);
+tests/cases.py: the stage tests, with the builds they ask for through launcher arguments, and the public-API tests),
+and `flashdelta check`'s (its defaults: heads 4/8, bf16, the backward; bench/dev/gpu_session.sh runs it);
 --grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0), with context
 parallelism's builds for the heads whose rows its cost model may split (`--context-parallel auto`: 2/8, 4/16, 16/16);
 --bwd-grid: the same with the backward's kernels for the backward grid's six head configs (the backward's cost model
@@ -55,6 +56,8 @@ def main():
                         "--context-parallel", "auto"], check=True)
     if a.tests:
         tests()
+        subprocess.run([sys.executable, "-m", "flashdelta.cli", "warmup", "--heads", "4/8", "--beta-dtype", "bf16",
+                        "--backward", "--context-parallel", "auto"], check=True)
 
 
 if __name__ == "__main__":

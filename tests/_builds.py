@@ -197,7 +197,9 @@ def hang_checks(src: str, host_src: str) -> list:
     bad = [f"__syncthreads() under a thread-dependent branch at line {n}" for n in divergent_syncs(src)]
     bounds = re.search(r"__launch_bounds__\((\d+)(?:, (\d+))?\)", src)
     threads, blocks = int(bounds.group(1)), int(bounds.group(2) or 1)
-    regs = [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)]
+    ups = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    downs = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    regs = ups + downs
     if regs:
         if src.count("__syncthreads()") != 1:
             bad.append(f"{src.count('__syncthreads()')} block-wide barriers in a warp-specialized kernel (1 expected)")
@@ -206,14 +208,22 @@ def hang_checks(src: str, host_src: str) -> list:
             bad.append(f"setmaxnreg budgets {regs} exceed {threads // 128} warpgroups x {cap} registers")
         # the registers an increase takes come only from what decreases give back (the CTA's pool is its launch
         # allocation), so a budget above the launch's needs one below it
-        ups = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
-        downs = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
         if any(n > cap for n in ups) and not any(n < cap for n in downs):
             bad.append(f"setmaxnreg increases {ups} above the launch's {cap} registers, but no decrease below it")
     smem = dyn_smem_bytes(host_src)
     if (smem + 1024) * blocks > SMEM_PER_SM:
         bad.append(f"{smem} B of shared memory per CTA do not fit {blocks} CTAs per SM")
     return bad
+
+
+def compile_all(build, builds: dict) -> dict:
+    """label -> `build(*args)` of each ``label: args`` in `builds` (or the exception it raised), all compiled at
+    once in threads (the compile tests' module fixtures)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(builds)) as pool:
+        futures = {label: pool.submit(build, *args) for label, args in builds.items()}
+        return {label: f.exception() or f.result() for label, f in futures.items()}
 
 
 def ptxas_report(src: str, tmp_path, name: str, defines: tuple = ()) -> str:

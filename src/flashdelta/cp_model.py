@@ -45,9 +45,12 @@ MARGIN = 0.9                    # split only where the predicted CP time is belo
 # head falls back (`cp_worst`, the exact path's time): the decision knows no gate before the call
 WARMUP_FALLBACK = 0.25
 WARMUP_CHUNKS = 4
-# the windows' ~25 small kernels (`cp.windows`) at the ~1.4 us a small kernel costs in a CUDA graph (the H200 fit of
-# 2/8 1x32768: 431 us = 3 x 104 us passes + 15 us scan + 27 us zero fill + 27 us prepare + ~36 small kernels)
-WARMUP_US = 35.0
+# the warm-up's cost beyond its shortened M and E passes: the windows' ~25 small kernels (`cp.windows`) and what
+# the passes' model misses. Fitted to 2/8 1x32768 on the H200 (bench/results/h200/2026-12-01_8beb66e_fwd_cp_rows.csv):
+# the warm-up at L = 32 measured 534 us against the exact path's 436 at L = 64, where the passes' model gives 301
+# and 341 (the exact path's 95 us beyond its model, prepare and the small kernels, taken to be the same for both).
+# With it `auto` keeps 2/8 and 4/16 1x32768 exact (4/16: 776 us with the warm-up at L = 64 against 748 serial).
+WARMUP_US = 175.0
 # the backward's windows (`cp.grad_windows`: ~28 small kernels, the validity masks of a ragged last partition
 # included) and the zeroing of the warm-up heads' M, at ~1.4 us a small kernel in a CUDA graph (a prediction;
 # fit_cp.py --bwd times them)

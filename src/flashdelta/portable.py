@@ -323,6 +323,13 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
     return qc, kc, vc, Gc, bc, Ac
 
 
+def _check_chunk_counts(name: str, counts: Optional[Tensor], N: int, HV: int) -> None:
+    """Context parallelism's per-(sequence, value head) chunk counts (`chunk_skip`, `chunk_take`): None or an
+    integer ``[N, HV]`` tensor."""
+    if counts is not None and (tuple(counts.shape) != (N, HV) or counts.is_floating_point()):
+        raise ValueError(f"{name}: an integer [N, HV] = [{N}, {HV}] tensor, got {counts.dtype} {tuple(counts.shape)}")
+
+
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
               chunk_size=64, chunk_skip=None, compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
@@ -339,9 +346,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     scale = _default_scale(scale, K)
     lay = chunk_layout(cu_seqlens, T, chunk_size, q.device)
     hmap = _head_map(H, HV, q.device)
-    if chunk_skip is not None and (tuple(chunk_skip.shape) != (lay.N, HV) or chunk_skip.is_floating_point()):
-        raise ValueError(f"chunk_skip: an integer [N, HV] = [{lay.N}, {HV}] tensor, got {chunk_skip.dtype} "
-                         f"{tuple(chunk_skip.shape)}")
+    _check_chunk_counts("chunk_skip", chunk_skip, lay.N, HV)
     qc, kc, vc, Gc, bc, Ac = _gather_all(q, k, v, g_cumsum, beta, A, lay, cd)
     S = _state_in(initial_state, lay.N, HV, K, V, state_v_first, cd, q.device, "initial_state")
     oc = torch.zeros(lay.NT, HV, lay.BT, V, dtype=cd, device=q.device)
@@ -441,9 +446,7 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
     dev = q.device
     lay = chunk_layout(cu_seqlens, T, chunk_size, dev)
     hmap = _head_map(H, HV, dev)
-    if chunk_take is not None and (tuple(chunk_take.shape) != (lay.N, HV) or chunk_take.is_floating_point()):
-        raise ValueError(f"chunk_take: an integer [N, HV] = [{lay.N}, {HV}] tensor, got {chunk_take.dtype} "
-                         f"{tuple(chunk_take.shape)}")
+    _check_chunk_counts("chunk_take", chunk_take, lay.N, HV)
     qc, kc, doc = _gather(q, lay, cd), _gather(k, lay, cd), _gather(do, lay, cd)
     Gc, bc, Ac = _gather_gate(g_cumsum, lay, _state_dtype(cd)).to(cd), _gather(beta, lay, cd), _gather(A, lay, cd)
     dS = torch.zeros(lay.N, HV, K, V, dtype=cd, device=dev)

@@ -6,7 +6,6 @@ The three builds (~4 s each, compiled at once): the forward at K = V = 128 with 
 scan), the backward at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64
 without h0, with the final state. tests/gpu/test_cp_scan.py runs them on the GPU.
 """
-import concurrent.futures
 import re
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks, ptxas_report  # noqa: E402
+from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
 
 from flashdelta import cp  # noqa: E402
 from flashdelta.kernels import cp_scan  # noqa: E402
@@ -29,9 +28,7 @@ BUILDS = {
 @pytest.fixture(scope="module")
 def compiled():
     """label -> the compiled kernel (or its exception), all three compiled at once."""
-    with concurrent.futures.ThreadPoolExecutor(len(BUILDS)) as pool:
-        futures = {label: pool.submit(cp_scan.build, *args) for label, args in BUILDS.items()}
-        return {label: f.exception() or f.result() for label, f in futures.items()}
+    return compile_all(cp_scan.build, BUILDS)
 
 
 @pytest.mark.parametrize("label", list(BUILDS))

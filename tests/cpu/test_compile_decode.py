@@ -9,7 +9,6 @@ The compiles are the CI's most expensive part here (~2 s each), so only three bu
 dt_bias, gk, gv, per-channel beta with 2 sigmoid), and the smallest (K = V = 64, fp32, no optional input).
 ``python bench/dev/decode_bench.py --precompile`` compiles every build the GPU tier uses.
 """
-import concurrent.futures
 import importlib.util
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks, ptxas_report  # noqa: E402
+from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
 
 from flashdelta import UnsupportedError, dispatch, fused_recurrent_gated_delta_rule, precompile, recurrent  # noqa: E402
 from flashdelta.kernels import decode, sm90  # noqa: E402
@@ -56,9 +55,7 @@ BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST}
 @pytest.fixture(scope="module")
 def compiled():
     """label -> the compiled kernel (or its exception), all three compiled at once."""
-    with concurrent.futures.ThreadPoolExecutor(len(BUILDS)) as pool:
-        futures = {label: pool.submit(decode.build, *args) for label, args in BUILDS.items()}
-        return {label: f.exception() or f.result() for label, f in futures.items()}
+    return compile_all(decode.build, BUILDS)
 
 
 @pytest.mark.parametrize("label", list(BUILDS))

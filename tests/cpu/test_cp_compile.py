@@ -5,7 +5,6 @@ exact pass's default build, whose arguments are unchanged), they compile for sm_
 each, compiled at once): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark rows' dims) and K = V = 64 fp16 with
 fp16 beta at 16/32. tests/gpu/test_cp_gpu.py runs them on the GPU.
 """
-import concurrent.futures
 import re
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import hang_checks, ptxas_report  # noqa: E402
+from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
 
 from flashdelta import cp  # noqa: E402
 from flashdelta.kernels import chunk_dstate  # noqa: E402
@@ -44,9 +43,7 @@ def test_take_builds_are_listed_where_cp_lists_its_builds():
 @pytest.fixture(scope="module")
 def compiled():
     """name -> the compiled take build (or its exception), both compiled at once."""
-    with concurrent.futures.ThreadPoolExecutor(len(TAKE_BUILDS)) as pool:
-        futures = {name: pool.submit(chunk_dstate.build, *args) for name, args in TAKE_BUILDS.items()}
-        return {name: f.exception() or f.result() for name, f in futures.items()}
+    return compile_all(chunk_dstate.build, TAKE_BUILDS)
 
 
 @pytest.mark.parametrize("name", list(TAKE_BUILDS))

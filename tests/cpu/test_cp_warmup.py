@@ -348,13 +348,15 @@ def test_warmup_request(monkeypatch):
     assert cp.make_plan(cu, 700, 2).warmup == "off" and cp.make_plan(cu, 700, 2, warmup=-12).warmup == -12.0
     monkeypatch.delenv(cp.ENV_WARMUP)
     assert cp.make_plan(cu, 700, 2).warmup == "auto"
-    # auto also asks the cost model at the plan's L: 2/8 1x32768 in 32-chunk partitions warms up (it shortens the
-    # M and E passes to one wave), 8-chunk partitions of 5000 tokens do not (one wave either way)
+    # auto also asks the cost model at the plan's L: 4/16 1x32768 in 32-chunk partitions warms up (it shortens the
+    # M and E passes by more than the warm-up's measured cost), 2/8 does not (the H200 measured its warm-up slower
+    # than the exact path there), nor do 8-chunk partitions of 5000 tokens (one wave either way)
     q = torch.empty(1, 32768, 2, 128, dtype=torch.bfloat16, device="meta")
     big = cp.make_plan(torch.empty(2, dtype=torch.int32, device="meta"), 32768, 32)
     small = cp.make_plan(torch.empty(2, dtype=torch.int32, device="meta"), 5000, 8)
-    assert cp._threshold(big, q, 8, 128, 128) == cp.WARMUP_THRESHOLD
-    assert cp._threshold(big, q.float(), 8, 128, 128) is None, "fp32: exact under auto"
+    assert cp._threshold(big, q, 16, 128, 128) == cp.WARMUP_THRESHOLD
+    assert cp._threshold(big, q.float(), 16, 128, 128) is None, "fp32: exact under auto"
+    assert cp._threshold(big, q, 8, 128, 128) is None
     assert cp._threshold(small, q, 8, 128, 128) is None
     assert cp._threshold(small._replace(warmup="on"), q, 8, 128, 128) == cp.WARMUP_THRESHOLD
     assert cp._threshold(big._replace(warmup=-16.0), q.float(), 8, 128, 128) == -16.0
@@ -362,13 +364,13 @@ def test_warmup_request(monkeypatch):
 
 
 def test_cost_model_with_the_warmup():
-    """The expected CP time with the warm-up is below the exact path's, which (plus the decision) is its worst case
-    (every head falls back); the warm-up runs only where it shortens a pass (not where every pass is one wave
-    anyway); 2/8 1x32768 splits finer with it; a split is taken only where even the worst case is at most
-    WORST_MARGIN x serial."""
-    kw = dict(T=32768, N=1, HV=8, K=128, V=128, sms=132, lengths=[32768])
+    """The expected CP time with the warm-up is below the exact path's, which (plus the warm-up's cost) is its worst
+    case (every head falls back); the warm-up runs only where it shortens the passes by more than its measured cost
+    (not where every pass is one wave anyway); a split is taken only where even the worst case is at most
+    WORST_MARGIN x serial. On the H200 rows the model is fitted to (2/8 and 4/16 1x32768) that keeps the exact path."""
+    kw = dict(T=32768, N=1, HV=16, K=128, V=128, sms=132, lengths=[32768])
     pays = []
-    for L in cp.CANDIDATE_L[:4]:
+    for L in cp.CANDIDATE_L[:5]:
         w, e = cp.predict(L=L, warmup=True, **kw), cp.predict(L=L, warmup=False, **kw)
         assert not e["warmup"] and e["cp"] == e["cp_worst"] and w["out"] == e["out"]
         pays.append(w["warmup"])
@@ -379,23 +381,22 @@ def test_cost_model_with_the_warmup():
         else:
             assert w["cp"] == e["cp"]
         inner = -(-32768 // (64 * L)) - 1
-        assert w["warmup"] == cp.cp_model.warmup_pays(inner=inner, HV=8, K=128, V=128, L=L, sms=132)
-    assert pays == [True, True, True, False], "L = 64: every pass is one wave either way"
-    Lw, Le = cp.choose(warmup=True, **kw), cp.choose(warmup=False, **kw)
-    assert 0 < Lw < Le, (Lw, Le)
-    p = cp.predict(L=Lw, warmup=True, **kw)
-    assert p["warmup"] and p["cp"] < cp.predict(L=Le, warmup=False, **kw)["cp"]
-    assert p["cp_worst"] <= cp.WORST_MARGIN * p["serial"]
-    # 2/4: every pass of the exact path is one wave already: the warm-up would only add its decision
-    few = dict(kw, HV=4)
-    assert not cp.predict(L=cp.choose(warmup=True, **few), warmup=True, **few)["warmup"]
-    assert cp.choose(warmup=True, **few) == cp.choose(warmup=False, **few)
-    # 4/16 splits only with the warm-up; 32 heads stay serial: even the expected time is slower
-    mid = dict(kw, HV=16)
-    assert cp.choose(warmup=False, **mid) == 0 and cp.choose(warmup=True, **mid) > 0
+        assert w["warmup"] == cp.cp_model.warmup_pays(inner=inner, HV=16, K=128, V=128, L=L, sms=132)
+    assert pays == [True, True, True, True, False], "L = 128: every pass is one wave either way"
+    # 4/16 stays serial: the worst case (every head falls back) is slower than serial, and so is the exact split
+    assert cp.choose(warmup=False, **kw) == 0 and cp.choose(warmup=True, **kw) == 0
+    # 2/8 splits at the same L either way, and exactly: the warm-up's cost exceeds what it saves there
+    few = dict(kw, HV=8)
+    Lw, Le = cp.choose(warmup=True, **few), cp.choose(warmup=False, **few)
+    assert Lw == Le > 0 and not cp.predict(L=Lw, warmup=True, **few)["warmup"]
+    assert cp.predict(L=Lw, warmup=True, **few)["cp_worst"] <= cp.WORST_MARGIN * cp.predict(L=Lw, **few)["serial"]
+    # 2/4: every pass of the exact path is one wave already: the warm-up would only add its cost
+    two = dict(kw, HV=4)
+    assert not cp.predict(L=cp.choose(warmup=True, **two), warmup=True, **two)["warmup"]
+    assert cp.choose(warmup=True, **two) == cp.choose(warmup=False, **two)
     assert cp.choose(warmup=True, **dict(kw, HV=32)) == 0
-    # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on)
-    assert cp.choose(**kw) == Lw
+    # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on where the model says it pays)
+    assert cp.choose(**few) == Lw
 
 
 def _do(v, seed=1):

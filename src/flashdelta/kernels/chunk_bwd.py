@@ -358,6 +358,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                                  dtype)                                 # (scale D dO)^T
                         T.copy(du_f, du_s)
                         T.fence_proxy_async()
+                        # chunk_dstate repeats this accumulation sequence (and dVd^T's X^T R + Y^T form): its F is this
+                        # dh0 bit for bit only with the same order (docs/dev/chunk_bwd.md)
                         T.wgmma_gemm(dos_f, q_s, ds_f, policy=FULL_ROW)                  # dS0^T += (scale D dO)^T Q
                         T.wgmma_gemm(du_f, k_s, ds_f, policy=FULL_ROW)                   # dS0^T += dU^T K
                         T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True, policy=FULL_COL)  # dO S0^T

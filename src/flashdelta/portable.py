@@ -259,12 +259,12 @@ def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
     # gate (w.r.t. the chunk-local cumsum G)
     Mx = Pg * dPg + dAbA * bcol
     kdk = (K * dkS).sum(-1)
-    dG = (dU * U).sum(-1) + (Q * dq1).sum(-1) - kdk + Mx.sum(-1) - Mx.sum(-2)
+    dG = (rnd(dU) * U).sum(-1) + (Q * dq1).sum(-1) - kdk + Mx.sum(-1) - Mx.sum(-2)
     last = (kdk.sum(-1) + eL[..., 0] * (dS1 * S0).sum((-1, -2)))  # terms of the chunk's last real row
     idx = (clen - 1).clamp_min(0).reshape(-1, 1, 1).expand(dG.shape[0], dG.shape[1], 1)
     dG = dG.scatter_add(-1, idx, last[..., None])
     # state gradient
-    dS0 = eL[..., None] * dS1 + mT(Kr) @ rnd(dU) + scale * (mT(Qr) @ rnd(eG[..., None] * dO))
+    dS0 = eL[..., None] * dS1 + mT(Kr) @ rnd(dU) + mT(Qr) @ rnd((scale * eG)[..., None] * dO)
     return dq, dk, dW, db, dG, dS0
 
 

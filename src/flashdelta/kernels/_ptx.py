@@ -42,6 +42,118 @@ __device__ __forceinline__ void fd_stage_o_trans(const float* o_f, void* o_s, in
 """
 STAGE_O = {"bfloat16": "fd_stage_o_trans<false>", "float16": "fd_stage_o_trans<true>"}
 
+# chunk_bwd: column sums of a [64, 64] fp32 wgmma accumulator held by one warpgroup (32 values per thread in the
+# layout above: register 4 n + 2 h + e holds row 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e). Each
+# thread adds its two rows, the 8 lanes that share a column (lane bits 2..4) add by shuffles, and lanes 0..3 of warp w
+# write the warp's 64 sums to part[w][0:64] (fp32 shared, generic address). The caller adds part[0..3] in order, so the
+# result does not depend on timing.
+COLSUM_PRELUDE = r"""
+__device__ __forceinline__ void fd_colsum64_part(const float* x, void* part_v, int tx) {
+  float* const part = static_cast<float*>(part_v);
+  const int lane = tx & 31, w = (tx >> 5) & 3;
+  float s[16];
+  #pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    s[2 * n] = x[4 * n] + x[4 * n + 2];
+    s[2 * n + 1] = x[4 * n + 1] + x[4 * n + 3];
+  }
+  #pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 4);
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+  }
+  if (lane < 4) {
+    #pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      part[w * 64 + 8 * n + 2 * lane] = s[2 * n];
+      part[w * 64 + 8 * n + 2 * lane + 1] = s[2 * n + 1];
+    }
+  }
+}
+"""
+
+# chunk_bwd: row sums of one warpgroup's [64, N] fp32 wgmma accumulator (N / 2 values per thread in the layout above;
+# a warpgroup of a multi-warpgroup product holds its own N columns, the same layout). Each thread adds its values of
+# rows 16 warp + 8 h + lane / 4 (h = 0, 1) in register order, the quad's four lanes (lane bits 0..1) add by shuffles,
+# and lane 0 of each quad writes part[row] (fp32 shared, generic address): the warpgroup's part of the 64 row sums.
+# The caller adds the warpgroups' parts in a fixed order.
+ROWSUM_PRELUDE = r"""
+template <int N>
+__device__ __forceinline__ void fd_rowsum64_part(const float* x, void* part_v, int tx) {
+  float* const part = static_cast<float*>(part_v);
+  const int lane = tx & 31, r0 = 16 * ((tx >> 5) & 3) + (lane >> 2);
+  float s0 = 0.f, s1 = 0.f;
+  #pragma unroll
+  for (int n = 0; n < N / 8; ++n) {
+    s0 += x[4 * n] + x[4 * n + 1];
+    s1 += x[4 * n + 2] + x[4 * n + 3];
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if ((lane & 3) == 0) {
+    part[r0] = s0;
+    part[r0 + 8] = s1;
+  }
+}
+"""
+
+# chunk_bwd: dv rows from the state warpgroups' dv^T [V, BT] fp32 accumulator (32 values per thread, the layout above
+# with the warp index running over all state warps: register 4 n + 2 h + e holds v = 16 warp + 8 h + lane / 4,
+# t = 8 n + 2 (lane % 4) + e) to dst[t * pitch + v] (dst: the chunk's first row at the value head) for t < rows, in
+# v's dtype. One 64-bit base, 32-bit offsets: the element-wise TileLang store spent ~40 registers on int64 indices.
+STORE_DVT_PRELUDE = r"""
+template <bool kHalf>
+__device__ __forceinline__ void fd_store_dvt(const float* x, void* dst, int pitch, int rows, int tx) {
+  unsigned short* const d = static_cast<unsigned short*>(dst);
+  const int lane = tx & 31, v0 = 16 * (tx >> 5) + (lane >> 2), t0 = 2 * (lane & 3);
+  #pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = 8 * n + t0 + e;
+      if (t < rows) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          unsigned short r;
+          if constexpr (kHalf) {
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x[4 * n + 2 * h + e]));
+          } else {
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x[4 * n + 2 * h + e]));
+          }
+          d[t * pitch + v0 + 8 * h] = r;
+        }
+      }
+    }
+  }
+}
+"""
+STORE_DVT = {"bfloat16": "fd_store_dvt<false>", "float16": "fd_store_dvt<true>"}
+
+# chunk_bwd: rows [0, rows) of one warpgroup's [64, N] fp32 wgmma accumulator (register 4 n + 2 h + e holds row
+# 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e) to dst[row * pitch + column] as float2 stores (dst: the
+# chunk's first row; a warpgroup of a multi-warpgroup product passes its own first column); one 64-bit base, 32-bit
+# offsets.
+STORE_ACC_PRELUDE = r"""
+template <int N>
+__device__ __forceinline__ void fd_store_acc_f32(const float* x, void* dst, int pitch, int rows, int tx) {
+  float* const d = static_cast<float*>(dst);
+  const int lane = tx & 31, r0 = 16 * ((tx >> 5) & 3) + (lane >> 2), c0 = 2 * (lane & 3);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r < rows) {
+      #pragma unroll
+      for (int n = 0; n < N / 8; ++n) {
+        *reinterpret_cast<float2*>(d + r * pitch + 8 * n + c0) = make_float2(x[4 * n + 2 * h], x[4 * n + 2 * h + 1]);
+      }
+    }
+  }
+}
+"""
+
 # fused_fwd: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and
 # step, addresses by adds. (The TileLang loop it replaces spent its time on 64-bit index arithmetic and bounds

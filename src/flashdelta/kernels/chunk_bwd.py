@@ -4,13 +4,10 @@ The math is docs/algorithm.md §3; the per-chunk terms are the portable `_bwd_st
 the same GEMM operand roundings (bf16/fp16 operands, fp32 accumulation), so the portable path at the kernel's
 precision is this kernel's error baseline.
 
-One CTA (two warpgroups) walks every chunk of one (sequence, value head), last chunk first, with all of V in the
-CTA: every K-side product of a chunk (Q K^T, K K^T, the inverse's A^T dA A^T) is formed once. The state gradient
-dS is held transposed, ``dS^T [V, K]`` fp32 in registers, for the whole walk; the state entering each chunk comes
-from `state_recompute` as ``S0^T [V, K]`` (``h [slots, HV, V, K]`` in q's dtype, one row per chunk slot, see
-below). Per chunk c
-(C = BT = 64, ``G`` the chunk-local gate cumsum, rows past the sequence end zeroed in q, k, v, dO and A and given
-``G[len - 1]`` and beta = 0, so they are inert):
+One CTA per (sequence, value head) walks every chunk, last chunk first, with all of V in the CTA: every K-side
+product of a chunk (Q K^T, K K^T, the inverse's A^T dA A^T) is formed once. Per chunk c (C = BT = 64, ``G`` the
+chunk-local gate cumsum, rows past the sequence end zeroed in q, k, v, dO and A and given ``G[len - 1]`` and
+beta = 0, so they are inert; S0 the state entering the chunk, dS1 the gradient of the state leaving it):
 
     U = K S0, W = V - D U, Ag = A o Gamma o beta_j, Vd = Ag W, Pg = scale Gamma o Q K^T
     dVd = R o (K dS1) + Pg^T dO;  dv = Ag^T dVd;  dU = -D dv
@@ -23,20 +20,36 @@ below). Per chunk c
          Mx = Pg o (dO Vd^T) + dAb o A o beta_j;  row len-1 also gets the R-term's total and e_L <dS1, S0>
     dS0 = e_L dS1 + K^T dU + scale Q^T D dO
 
-Loads: q, k and dO arrive by TMA at the start of the chunk. Chunk c - 1's v and A (TMA) are issued as soon as
-chunk c has consumed its tiles (after A^T dA A^T), its S0^T (TMA) after the last GEMM that reads S0^T, and its
-gates (plain loads into registers at chunk c's start, stored into a second buffer under its dq GEMMs), so they
-arrive under the rest of chunk c. Rows
-past the end are zeroed in shared memory after the wait. GEMMs run on both warpgroups (each takes half the output
-columns); independent ones are issued together (`T.wgmma_gemm`) and waited for once, and the dbeta / dG row work
-runs under the dS0 GEMMs. The states are in q's dtype (the values the forward's GEMMs read), so the e_L <dS1, S0>
-term of dG reads the rounded S0.
+Only the dS chain is serial across chunks; everything else is chunk-local given S0 (from `state_recompute`) and dS1.
+Two roles (V / 64 + 1 warpgroups, mbarrier hand-offs, no CTA-wide barrier after the set-up):
 
-The gate path (Gamma, R, D, the dG and dbeta reductions) is fp32 throughout; row and column sums are fragment
-reductions (no transpose through 16-bit shared memory). The dG row terms over V and K (dU o U, the R-term, the dq
-term) accumulate in one fragment and are reduced once; the chunk total that the last row gets is a per-thread
-partial sum, reduced by warp shuffles. dq and dk are written per value head in fp32 (the GVA group sum follows),
-dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout.
+- **state warpgroups** (one per 64 value rows): ``dS^T [V, K]`` fp32 in registers for the whole walk. The chain's
+  [V, *] products are split by value rows (warpgroup w owns rows [64 w, 64 w + 64) of dS^T and of every [V, BT]
+  chain tile), so the chain needs no exchange between them; the [BT, *] products are split by columns (warpgroup w
+  computes columns [64 w, 64 w + 64)). Per chunk: U = K S0 and W = V - D U (stored over V), dS1^T to shared,
+  X^T = dS1^T K^T, Y^T = dO^T Pg, dVd^T = X^T R + Y^T (to shared), dv^T = dVd^T Ag (register A operand), dv stored,
+  dU^T = -dv^T D, dS0^T = e_L dS1^T + dU^T K + (scale D dO)^T Q (register A operands), the e_L <dS1, S0> part of dG;
+  then dq = scale D dO S0^T + dP K and dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + (dAt + dAt^T) K with dG's row terms
+  read off their accumulators, and the rows of dG and dbeta.
+- **chunk warpgroup**: the loads (TMA from its warp 0, each input reloaded for the next chunk as soon as its last
+  reader releases it; the first chunk's ragged rows zeroed before its arrival), Ag (under the next chunk's k load),
+  P, Pg, Vd, dPg, dP, Mx's sums; once the chain has produced dVd^T: dAg, K K^T, dA, the inverse's A^T dA A^T,
+  dbeta's and dG's row and column sums, dAt + dAt^T.
+
+The per-chunk critical path: k's load -> P, Pg (chunk) and U, W (state) -> Vd, dPg, dP (chunk), with dVd^T
+(state) ready by then -> the inverse's dAt (chunk) -> dk's last product (state) -> the next k's load. The state
+warpgroups' dv, dS0, dq and dk's first three products run while the chunk warpgroup works on the inverse; q, S0^T
+and dO are released (and reloaded) before dk's last product, which reads only k.
+
+Row sums are fragment reductions (a wgmma accumulator row lives in one quad; a state warpgroup's part of a row goes
+to shared memory and the parts are added in warpgroup order, `_ptx.ROWSUM_PRELUDE`); column sums go through
+per-warp shuffles (`_ptx.COLSUM_PRELUDE`) and a fixed-order add, so every gradient is deterministic. rowsum(dU o U)
+is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt + dAt^T is written by
+entries (dAt is strictly lower, so each entry of the sum is one term). The gate path (Gamma, R, D, the dG and dbeta
+reductions) is fp32 throughout. dq and dk are written per value head in fp32 (the GVA group sum follows), dv in
+v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv through one 64-bit row base per
+chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`). bench/dev/chunk_bwd_protocol.py models the
+synchronisation (barrier counts, parities, every tile's reads against its writes).
 
 Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
 below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence, value head), sequence
@@ -47,30 +60,49 @@ offsets are int64, so tensors past 2^31 elements work.
 import tilelang.language as T
 import torch
 
-from . import _tl, timeline
+from . import _ptx, _tl, timeline
 
 BT = 64
-THREADS = 256
-# (K, V) pairs this kernel supports: dS^T [V, K] fp32 is V * K / THREADS registers per thread (64 at 128 x 128).
+# (K, V) pairs this kernel supports: each state warpgroup holds 64 rows of dS^T [V, K] fp32 (64 registers per thread
+# at K = 128) and 64 columns of every [BT, K] product (dq, dk)
 HEAD_DIMS = ((128, 128), (64, 64))
 DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, do, dv
 LOG2E = 1.4426950408889634
+# the chain's [V, *] products: state warpgroup w owns value rows [64 w, 64 w + 64) of dS^T and of the [V, BT] chain
+# tiles, so the chain needs no exchange between the state warpgroups
+FULL_ROW = T.GemmWarpPolicy.FullRow
+# the state warpgroups' [BT, *] products (U, dq, dk): warpgroup w computes columns [64 w, 64 w + 64) (a wgmma
+# warpgroup spans all 64 rows); their row sums are per-warpgroup parts added in a fixed order
+FULL_COL = T.GemmWarpPolicy.FullCol
+# No setmaxnreg: it moves registers only within the CTA's launch allocation (168 per thread at 384 threads, the
+# most ptxas gives; 64,512 of the SM's 65,536), and the state warpgroups need about all of theirs, so there is
+# nothing to give the chunk warpgroup. Everything compiles at a flat 168 at V = 128, at the launch's 255 at V = 64
+# (256 threads); the numbers are in docs/dev/chunk_bwd.md.
 
 TABLE = timeline.Table(
     "chunk_bwd",
-    roles={"c": ("CTA (thread 0)", 0)},
+    roles={"s": ("state WGs", 0), "a": ("chunk WG", 256)},
     events={
-        "c.load": "q, k, dO (TMA at the chunk start), v, A, S0^T, gates (issued a chunk early) in shared",
-        "c.fwd": "U, W, Ag, Vd, P, Pg",
-        "c.dv": "dVd, dv stored, dAg, dU, dU o U row sums",
-        "c.dk1": "R Vd dS1^T and its row sums",
-        "c.inv": "dAb, dA, colsum(dAb o A), A^T dA A^T",
-        "c.dp": "dP, Mx, its row and column sums",
-        "c.dq": "dq stored (the previous chunk's gates and S0^T issued)",
-        "c.dk": "K K^T, dk stored",
-        "c.ds": "dS0^T GEMMs issued, dbeta and dG rows stored under them, dS0^T complete",
+        "s.k": "wait full_k (chunk WG)",
+        "s.w": "U = K S0, dS1^T stored, X^T issued; wait v; W stored, w_ready arrived",
+        "s.prep": "<dS1, S0>, e_L dS1, X^T complete; wait prep_ready (chunk WG)",
+        "s.dvd": "Y^T, dVd^T, dv^T; dVd^T stored, dvd_ready arrived",
+        "s.ds0": "dv stored; dU^T stored; dS0^T complete, dO S0^T, dq's row sums",
+        "s.dp": "wait dp_ready (chunk WG)",
+        "s.dk": "dP K, Vd dS1^T; dq stored; dU S0^T, dP^T Q, dk's row sums; q, S0^T released",
+        "s.dat": "wait dat_ready (chunk WG)",
+        "s.end": "(dAt + dAt^T) K; dk_done arrived; dk stored; dG and dbeta rows",
+        "a.k": "wait full_k, full_qh (the TMA of k, q, S0^T)",
+        "a.prep": "P = Q K^T, Pg stored, prep_ready arrived",
+        "a.w": "wait w_ready (state WGs)",
+        "a.dp": "Vd, dPg, dP stored, dp_ready arrived; Mx's first term's sums",
+        "a.dvd": "wait dvd_ready (state WGs)",
+        "a.inv": "dAg, K K^T, dA, colsum(dAb o A), A^T dA A^T, Mx's second sums, dAt + dAt^T, dat_ready arrived",
+        "a.load": "next gates stored; wait qh_free; next q, S0^T, dO issued",
+        "a.done": "wait dk_done (state WGs)",
+        "a.ag": "next k issued; wait v, A; the next chunk's Ag stored",
     },
-    ctas=8, steps=32)
+    ctas=8, steps=32, value="NT")
 
 
 @T.macro
@@ -83,7 +115,7 @@ def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
         gl[1] = T.if_then_else(t0 + tx < eos, T.cast(beta[0, T.cast(t0 + tx, "int64"), i_hv], "float32"), 0.0)
 
 
-@_tl.jit(table=TABLE)
+@_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
           state_v_first: bool):
     """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic."""
@@ -95,50 +127,61 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     N_ = T.dynamic("N")
     S_ = T.dynamic("S")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
-    # tiling config
-    NVEC = 6            # per-row partial sums of dG (5) and dbeta (2) share one [NVEC + 1, BT] fp32 tile
-    prelude = timeline.prelude(TABLE) or None      # the timer helpers while recording; else no prelude at all
+    # roles: V / 64 state warpgroups, one chunk warpgroup (which also issues the loads)
+    NSW = V // 64               # state warpgroups
+    ST = 128 * NSW              # state threads
+    A0 = ST                     # first thread of the chunk warpgroup
+    THREADS = ST + 128
+    NW = ST // 32               # state warps
+    KC = K // NSW               # columns of dq and dk per state warpgroup (64)
+    NVEC = 6                    # the chunk warpgroup's per-row sums of dG (4) and dbeta (2)
+    prelude = (_ptx.COLSUM_PRELUDE + _ptx.ROWSUM_PRELUDE + _ptx.STORE_DVT_PRELUDE + _ptx.STORE_ACC_PRELUDE
+               + timeline.prelude(TABLE))
 
-    def gamma(g_s, i, j):
+    def gamma(g_s, gs, i, j):
         # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal (never exp of a positive number)
-        return T.exp2(T.Select(i >= j, (g_s[i] - g_s[j]) * LOG2E, -T.infinity(acc)))
+        return T.exp2(T.Select(i >= j, (g_s[gs, i] - g_s[gs, j]) * LOG2E, -T.infinity(acc)))
 
     @T.macro
-    def colsum(x_f, x_s, part_s, vec_s, row, tx, tot):
-        # column sums of a [BT, BT] fp32 fragment through fp32 shared memory (a fragment reduction over dim 0 has no
-        # layout for the wgmma accumulator): each thread sums a quarter of one column, then one thread per column
-        # adds the four quarters
-        for i, j in T.Parallel(BT, BT):
-            x_s[i, j] = x_f[i, j]
-        tot[0] = 0.0
-        for i in T.serial(BT // 4):
-            tot[0] = tot[0] + x_s[(tx // BT) * (BT // 4) + i, tx % BT]
-        part_s[tx // BT, tx % BT] = tot[0]
-        if tx < BT:
-            vec_s[row, tx] = part_s[0, tx] + part_s[1, tx] + part_s[2, tx] + part_s[3, tx]
+    def colsum(x_f, part_s, vec_s, row, ta):
+        # column sums of a [BT, BT] fp32 accumulator of the chunk warpgroup into vec_s[row] (fixed order)
+        T.call_extern("handle", "fd_colsum64_part", x_f.data, part_s.data, ta)
+        T.sync_threads(2, 128)
+        for j in T.Parallel(BT):
+            vec_s[row, j] = part_s[0, j] + part_s[1, j] + part_s[2, j] + part_s[3, j]
+        T.sync_threads(2, 128)
+
+    def parts(rs_s, q, tx):
+        # row tx of the state warpgroups' row sums q: their parts added in warpgroup order
+        x = rs_s[q, 0, tx]
+        for w in range(1, NSW):
+            x = x + rs_s[q, w, tx]
+        return x
 
     @T.macro
-    def load_va(c, bos, i_hv, tx, v, A, v_s, a_s, bar_va):
-        # one warp issues the TMA copies of chunk c's v and A tiles (all 64 rows; rows past the end are zeroed after
-        # the wait) and arrives on bar_va
+    def rowsum_part(x_f, rs_s, q, wg, tx):
+        # this state warpgroup's part of the row sums of a [BT, K] fp32 accumulator (its KC columns) into rs_s[q, wg]
+        T.call_extern("handle", f"fd_rowsum64_part<{KC}>", x_f.data, T.address_of(rs_s[q, wg, 0]), tx)
+
+    @T.macro
+    def load_gates(c, bos, eos, i_hv, ta, g, beta, gl):
+        # chunk c's G and beta of row ta (ta < BT) into registers (rows past the end: G[len - 1] and beta = 0)
         t0 = bos + c * BT
-        if tx < 32:
-            T.tma_copy(v[0, t0:t0 + BT, i_hv, 0:V], v_s, barrier=bar_va[0])
-            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s, barrier=bar_va[0])
-            T.barrier_arrive(bar_va[0])
+        if ta < BT:
+            gl[0] = g[0, T.cast(T.min(t0 + ta, eos - 1), "int64"), i_hv]
+            gl[1] = T.if_then_else(t0 + ta < eos, T.cast(beta[0, T.cast(t0 + ta, "int64"), i_hv], acc), 0.0)
 
     @T.macro
-    def load_h(slot, i_hv, tx, h, h_s, bar_h):
-        # one warp issues the TMA copy of S0^T of the chunk at `slot` and arrives on bar_h
-        if tx < 32:
-            T.tma_copy(h[slot, i_hv, 0:V, 0:K], h_s, barrier=bar_h[0])
-            T.barrier_arrive(bar_h[0])
+    def store_gates(gs, ta, gl, g_s, b_s):
+        if ta < BT:
+            g_s[gs, ta] = gl[0]
+            b_s[gs, ta] = gl[1]
 
     @T.macro
-    def store_gates(tx, gl, gn_s, bn_s):
-        if tx < BT:
-            gn_s[tx] = gl[0]
-            bn_s[tx] = gl[1]
+    def make_ag(gs, a_s, g_s, b_s, ag_s):
+        # Ag = A o Gamma o beta_j, stored (the B operand of dv^T, the A operand of Vd)
+        for i, j in T.Parallel(BT, BT):
+            ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gamma(g_s, gs, i, j) * b_s[gs, j], dtype)
 
     @T.prim_func
     def chunk_bwd_kernel(
@@ -166,62 +209,44 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             tx = T.get_thread_binding()
             mark = timeline.marker(TABLE, bx, tx)
 
-            # inputs of the chunk (rows past the end zeroed); W overwrites V in place, scale D Q overwrites Q last
+            # ---- shared memory (one buffer of each input: the chunk warpgroup reloads a tile once its readers
+            # release it)
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
-            v_s = T.alloc_shared((BT, V), dtype)
+            v_s = T.alloc_shared((BT, V), dtype)            # V, then W in place (state WGs)
             do_s = T.alloc_shared((BT, V), dtype)
             a_s = T.alloc_shared((BT, BT), dtype)
-            h_s = T.alloc_shared((V, K), dtype)             # S0^T
-            ds_s = T.alloc_shared((V, K), dtype)            # dS1^T
-            vd_s = T.alloc_shared((BT, V), dtype)           # Vd
-            dvd_s = T.alloc_shared((BT, V), dtype)          # dVd, then dU
-            ag_s = T.alloc_shared((BT, BT), dtype)          # Ag
-            pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then A^T dA, then dAt + dAt^T
-            da_s = T.alloc_shared((BT, BT), dtype)          # dA = dAb o beta_j, then dP
-            # fp32 staging of the column sums and of dAt = diag(beta) dL; rows padded by one word so that reading a
-            # column (the transpose) is free of bank conflicts
-            dat_s = T.alloc_shared((BT, BT + 1), acc)
-            g_s = T.alloc_shared((BT,), acc)                # G (rows past the end: G[len - 1])
-            b_s = T.alloc_shared((BT,), acc)                # beta (0 past the end)
-            gn_s = T.alloc_shared((BT,), acc)               # G and beta of the next chunk in the walk
-            bn_s = T.alloc_shared((BT,), acc)
-            eg_s = T.alloc_shared((BT,), acc)               # exp(G)
-            r_s = T.alloc_shared((BT,), acc)                # exp(G_last - G)
-            vec_s = T.alloc_shared((NVEC + 1, BT), acc)     # per-row partial sums of dG and dbeta
-            part_s = T.alloc_shared((THREADS // BT, BT), acc)   # column sums' quarter partials
-            wsum_s = T.alloc_shared((THREADS // 32,), acc)  # per-warp parts of the chunk total
-            bar_in = T.alloc_barrier([32])                  # q, k, dO of the chunk (TMA)
-            bar_va = T.alloc_barrier([32])                  # v, A of the chunk (TMA, issued one chunk early)
-            bar_h = T.alloc_barrier([32])                   # S0^T of the chunk (TMA, issued one chunk early)
+            h_s = T.alloc_shared((V, K), dtype)             # S0^T (state WGs only)
+            ds_s = T.alloc_shared((V, K), dtype)            # dS1^T (state WGs only)
+            vd_s = T.alloc_shared((BT, V), dtype)           # Vd (chunk WG -> state WGs)
+            dvd_s = T.alloc_shared((V, BT), dtype)          # dVd^T (state WGs -> chunk WG)
+            du_s = T.alloc_shared((V, BT), dtype)           # dU^T (state WGs only)
+            pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then dAt + dAt^T (chunk WG -> state WGs)
+            ag_s = T.alloc_shared((BT, BT), dtype)          # Ag, then dA = dAb o beta_j, then A^T dA
+            dp_s = T.alloc_shared((BT, BT), dtype)          # dP (chunk WG -> state WGs)
+            g_s = T.alloc_shared((2, BT), acc)              # G (rows past the end: G[len - 1]), two chunks
+            b_s = T.alloc_shared((2, BT), acc)              # beta (0 past the end)
+            vec_s = T.alloc_shared((NVEC, BT), acc)         # the chunk WG's row and column sums
+            part_s = T.alloc_shared((4, BT), acc)           # column sums' per-warp parts
+            rs_s = T.alloc_shared((3, NSW, BT), acc)        # the state WGs' row sums, one part per warpgroup
+            wsum_s = T.alloc_shared((NW,), acc)             # the state warps' parts of e_L <dS1, S0>
+            asum_s = T.alloc_shared((NW,), acc)             # the state warps' parts of the R-term total
 
-            ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
-            u_f = T.alloc_fragment((BT, V), acc)
-            vd_f = T.alloc_fragment((BT, V), acc)
-            dvd_f = T.alloc_fragment((BT, V), acc)
-            dv_f = T.alloc_fragment((BT, V), acc)
-            dq_f = T.alloc_fragment((BT, K), acc)
-            dk_f = T.alloc_fragment((BT, K), acc)
-            p_f = T.alloc_fragment((BT, BT), acc)
-            dag_f = T.alloc_fragment((BT, BT), acc)
-            daba_f = T.alloc_fragment((BT, BT), acc)
-            x_f = T.alloc_fragment((BT, BT), acc)
-            dl_f = T.alloc_fragment((BT, BT), acc)
-            mx_f = T.alloc_fragment((BT, BT), acc)
-            kk_f = T.alloc_fragment((BT, BT), acc)
-            x2_f = T.alloc_fragment((BT, BT), acc)
-            rbt_f = T.alloc_fragment((BT, BT), acc)
-            rs_f = T.alloc_fragment((BT, V), acc)           # dG row terms: dU o U - K o R-term + Q o (scale D dO S0^T)
-            # one output fragment per reduction: its layout follows the reduced fragment's
-            red_u = T.alloc_fragment((BT,), acc)
-            red_mr = T.alloc_fragment((BT,), acc)
-            red_l = T.alloc_fragment((BT,), acc)
-            # in-place shared updates go through registers (read all, then write all: one barrier, not one per row)
-            w_f = T.alloc_fragment((BT, V), dtype)
-            qd_f = T.alloc_fragment((BT, K), dtype)
-            tot = T.alloc_local((1,), acc)
-            tsum = T.alloc_local((1,), acc)                 # this thread's part of the chunk total
-            gl = T.alloc_local((2,), acc)                   # G and beta of one row of the next chunk, in flight
+            # the chunk warpgroup fills every input (TMA issued by its warp 0, then all 128 arrive); every other
+            # barrier's count is the threads of the role that arrives on it
+            full_k = T.alloc_barrier([128])
+            full_qh = T.alloc_barrier([128])
+            full_va = T.alloc_barrier([128])
+            full_do = T.alloc_barrier([128])
+            full_g = T.alloc_barrier([128, 128])
+            first = T.alloc_barrier([32])                  # the first chunk's TMA (its ragged rows are zeroed after)
+            prep_ready = T.alloc_barrier([128])             # Ag, Pg stored
+            w_ready = T.alloc_barrier([ST])                 # W stored
+            dp_ready = T.alloc_barrier([128])               # Vd, dP stored
+            dvd_ready = T.alloc_barrier([ST])               # dVd^T stored, the dv^T product (reads Ag) complete
+            dat_ready = T.alloc_barrier([128])              # dAt + dAt^T and the chunk WG's sums stored
+            qh_free = T.alloc_barrier([ST])                 # q, S0^T, dO released
+            dk_done = T.alloc_barrier([ST])                 # k, Vd, dP, dAt + dAt^T released
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
@@ -243,210 +268,335 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                 NT = T.ceildiv(eos - bos, BT)
                 slot0 = bos // BT + i_n
                 n64 = T.cast(i_n, "int64")
-                if has_dht:
+
+                if tx < ST:
+                    # ================= state warpgroups: the dS chain, U and W, dv, dq, dk, the rows ==============
+                    wg = tx // 128
+                    ds_f = T.alloc_fragment((V, K), acc)        # dS^T, carried across chunks
+                    x_f = T.alloc_fragment((V, BT), acc)        # X^T = dS1^T K^T
+                    y_f = T.alloc_fragment((V, BT), acc)        # Y^T = dO^T Pg
+                    u_f = T.alloc_fragment((BT, V), acc)        # U = K S0
+                    w_f = T.alloc_fragment((BT, V), dtype)      # W = V - D U
+                    dos_f = T.alloc_fragment((V, BT), dtype)    # (scale D dO)^T
+                    dvd_f = T.alloc_fragment((V, BT), dtype)    # dVd^T
+                    dv_f = T.alloc_fragment((V, BT), acc)       # dv^T
+                    du_f = T.alloc_fragment((V, BT), dtype)     # dU^T
+                    dq_f = T.alloc_fragment((BT, K), acc)
+                    rq_f = T.alloc_fragment((BT, K), acc)
+                    dk_f = T.alloc_fragment((BT, K), acc)
+                    rk_f = T.alloc_fragment((BT, K), acc)
+                    tsum = T.alloc_local((1,), acc)
+                    asum = T.alloc_local((1,), acc)
+                    tot = T.alloc_local((1,), acc)
+                    mark.start()
+                    mark.value(NT)
+                    if has_dht:
+                        if state_v_first:
+                            for i, j in T.Parallel(V, K):
+                                ds_f[i, j] = dht[n64, i_hv, i, j]
+                        else:
+                            for i, j in T.Parallel(V, K):
+                                ds_f[i, j] = dht[n64, i_hv, j, i]
+                    else:
+                        T.clear(ds_f)
+                    for cc in T.serial(NT):
+                        c = NT - 1 - cc
+                        t0 = bos + c * BT
+                        ln = T.min(eos - t0, BT)
+                        ph = cc % 2
+                        gs = cc % 2
+                        T.barrier_wait(full_k[0], ph)
+                        mark(cc, "s.k")
+                        # ---- U = K S0 first (W is the chunk WG's next need), dS1^T to shared under it (ds_s and
+                        # du_s were last read before the previous dk_done), X^T = dS1^T K^T ----
+                        T.barrier_wait(full_qh[0], ph)
+                        T.barrier_wait(full_g[gs], (cc // 2) % 2)
+                        T.wgmma_gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True, policy=FULL_COL)   # U = K S0
+                        T.copy(ds_f, ds_s)                                               # dS1^T in q's dtype
+                        T.fence_proxy_async()
+                        T.sync_threads(1, ST)
+                        T.wgmma_gemm(ds_s, k_s, x_f, transpose_B=True, clear_accum=True, policy=FULL_ROW)  # X^T = dS1^T K^T
+                        T.wait_wgmma(1)                                                  # U
+                        # ---- W = V - D U over V in place, this warpgroup's columns ----
+                        T.barrier_wait(full_va[0], ph)
+                        for i, j in T.Parallel(BT, V):
+                            w_f[i, j] = T.cast(T.cast(v_s[i, j], acc) - T.exp2(g_s[gs, i] * LOG2E) * u_f[i, j],
+                                               dtype)
+                        T.copy(w_f, v_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(w_ready[0])
+                        mark(cc, "s.w")
+                        tsum[0] = 0.0
+                        for i, j in T.Parallel(V, K):
+                            tsum[0] = tsum[0] + ds_f[i, j] * T.cast(h_s[i, j], acc)      # <dS1, S0>
+                        el = T.exp2(g_s[gs, BT - 1] * LOG2E)
+                        for i, j in T.Parallel(V, K):
+                            ds_f[i, j] = ds_f[i, j] * el
+                        T.wait_wgmma(0)                                                  # X^T
+                        T.barrier_wait(full_do[0], ph)
+                        T.barrier_wait(prep_ready[0], ph)
+                        mark(cc, "s.prep")
+                        # ---- dVd^T = X^T R + dO^T Pg, dv^T = dVd^T Ag ----
+                        T.wgmma_gemm(do_s, pg_s, y_f, transpose_A=True, clear_accum=True, policy=FULL_ROW)  # Y^T = dO^T Pg
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(V, BT):
+                            dvd_f[i, j] = T.cast(x_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, j]) * LOG2E)
+                                                 + y_f[i, j], dtype)                    # dVd^T = X^T R + Y^T
+                        T.wgmma_gemm(dvd_f, ag_s, dv_f, clear_accum=True, policy=FULL_ROW)  # dv^T = dVd^T Ag
+                        T.copy(dvd_f, dvd_s)          # (the chunk WG's dAg read the previous dVd^T before dat_ready)
+                        T.wait_wgmma(0)               # dv^T: the chunk WG overwrites Ag once dvd_ready completes
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvd_ready[0])
+                        mark(cc, "s.dvd")
+                        # ---- dv; dU^T = -dv^T D; dS0^T = e_L dS1^T + (scale D dO)^T Q + dU^T K; dO S0^T ----
+                        T.call_extern("handle", _ptx.STORE_DVT[dtype], dv_f.data,
+                                      T.address_of(dv[0, T.cast(t0, "int64"), i_hv, 0]), HV * V, ln, tx)
+                        for i, j in T.Parallel(V, BT):
+                            du_f[i, j] = T.cast(-dv_f[i, j] * T.exp2(g_s[gs, j] * LOG2E), dtype)  # dU^T = -dv^T D
+                        for i, j in T.Parallel(V, BT):
+                            dos_f[i, j] = T.cast(T.cast(do_s[j, i], acc) * (T.exp2(g_s[gs, j] * LOG2E) * scale),
+                                                 dtype)                                 # (scale D dO)^T
+                        T.copy(du_f, du_s)
+                        T.fence_proxy_async()
+                        # chunk_dstate repeats this accumulation sequence (and dVd^T's X^T R + Y^T form): its F is this
+                        # dh0 bit for bit only with the same order (docs/dev/chunk_bwd.md)
+                        T.wgmma_gemm(dos_f, q_s, ds_f, policy=FULL_ROW)                  # dS0^T += (scale D dO)^T Q
+                        T.wgmma_gemm(du_f, k_s, ds_f, policy=FULL_ROW)                   # dS0^T += dU^T K
+                        T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True, policy=FULL_COL)  # dO S0^T
+                        tsum[0] = T.warp_reduce_sum(tsum[0] * el)
+                        if tx % 32 == 0:
+                            wsum_s[tx // 32] = tsum[0]
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, K):
+                            dq_f[i, j] = dq_f[i, j] * (T.exp2(g_s[gs, i] * LOG2E) * scale)
+                            rq_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], acc)
+                        rowsum_part(rq_f, rs_s, 0, wg, tx)                               # rowsum(Q o scale D dO S0^T)
+                        mark(cc, "s.ds0")
+                        # ---- dq += dP K; dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + (dAt + dAt^T) K ----
+                        T.barrier_wait(dp_ready[0], ph)
+                        mark(cc, "s.dp")
+                        T.wgmma_gemm(dp_s, k_s, dq_f, policy=FULL_COL)                   # dq += dP K
+                        T.wgmma_gemm(vd_s, ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
+                        T.wait_wgmma(1)                                                  # dq
+                        T.call_extern("handle", f"fd_store_acc_f32<{KC}>", dq_f.data,
+                                      T.address_of(dq[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
+                        T.wait_wgmma(0)
+                        asum[0] = 0.0
+                        for i, j in T.Parallel(BT, K):
+                            dk_f[i, j] = dk_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, i]) * LOG2E)
+                            rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
+                            asum[0] = asum[0] + rk_f[i, j]
+                        rowsum_part(rk_f, rs_s, 1, wg, tx)                               # rowsum(K o R o (Vd dS1^T))
+                        T.sync_threads(1, ST)                                            # every warpgroup's dU^T
+                        T.wgmma_gemm(du_s, h_s, dk_f, transpose_A=True, policy=FULL_COL)  # dk += dU S0^T
+                        asum[0] = T.warp_reduce_sum(asum[0])
+                        if tx % 32 == 0:
+                            asum_s[tx // 32] = asum[0]
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, K):
+                            rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
+                        rowsum_part(rk_f, rs_s, 2, wg, tx)                               # ... + rowsum(dU o U)
+                        T.wgmma_gemm(dp_s, q_s, dk_f, transpose_A=True, policy=FULL_COL)  # dk += dP^T Q
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(qh_free[0])
+                        T.sync_threads(1, ST)                                            # the row sums' parts
+                        mark(cc, "s.dk")
+                        T.barrier_wait(dat_ready[0], ph)
+                        mark(cc, "s.dat")
+                        T.wgmma_gemm(pg_s, k_s, dk_f, policy=FULL_COL)                   # dk += (dAt + dAt^T) K
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(dk_done[0])
+                        T.call_extern("handle", f"fd_store_acc_f32<{KC}>", dk_f.data,
+                                      T.address_of(dk[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
+                        # ---- rows: dG (the last real row also gets e_L <dS1, S0> and the R-term total), dbeta.
+                        # Their inputs are rewritten only after this warpgroup's next w_ready and bar.sync ----
+                        if tx < BT:
+                            tot[0] = 0.0
+                            for w in T.serial(NW):
+                                tot[0] = tot[0] + asum_s[w]
+                            for w in T.serial(NW):
+                                tot[0] = tot[0] + wsum_s[w]
+                            if tx < ln:
+                                r64 = T.cast(t0 + tx, "int64")
+                                dg[0, r64, i_hv] = (parts(rs_s, 0, tx) + vec_s[0, tx] - vec_s[1, tx] + vec_s[4, tx]
+                                                    - vec_s[5, tx] + parts(rs_s, 2, tx) - 2.0 * parts(rs_s, 1, tx)
+                                                    + T.if_then_else(tx == ln - 1, tot[0], 0.0))
+                                dbeta[0, r64, i_hv] = vec_s[2, tx] + vec_s[3, tx]
+                        mark(cc, "s.end")
                     if state_v_first:
                         for i, j in T.Parallel(V, K):
-                            ds_f[i, j] = dht[n64, i_hv, i, j]
+                            dh0[n64, i_hv, i, j] = ds_f[i, j]
                     else:
                         for i, j in T.Parallel(V, K):
-                            ds_f[i, j] = dht[n64, i_hv, j, i]
+                            dh0[n64, i_hv, j, i] = ds_f[i, j]
+                    mark.end()
                 else:
-                    T.clear(ds_f)
-
-                if NT > 0:
-                    # the last chunk's v, A, S0^T and gates; each later chunk's arrive while the chunk after it runs
-                    load_va(NT - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
-                    load_h(T.cast(slot0 + NT - 1, "int64"), i_hv, tx, h, h_s, bar_h)
-                    fetch_gates(NT - 1, bos, eos, i_hv, tx, g, beta, gl)
-                    store_gates(tx, gl, gn_s, bn_s)
-
-                for cc in T.serial(NT):
-                    c = NT - 1 - cc
-                    t0 = bos + c * BT
-                    ln = T.min(eos - t0, BT)
-                    s64 = T.cast(slot0 + c, "int64")
-
-                    # ---- loads: q, k, dO by TMA now; v, A, S0^T (TMA) and the gates were issued during the chunk
-                    # after this one; rows >= ln are zeroed below (g: G[ln - 1], beta: 0) ----
-                    T.sync_threads()
-                    if tx < 32:
-                        T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s, barrier=bar_in[0])
-                        T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s, barrier=bar_in[0])
-                        T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=bar_in[0])
-                        T.barrier_arrive(bar_in[0])
-                    if c > 0:
-                        fetch_gates(c - 1, bos, eos, i_hv, tx, g, beta, gl)              # stored under the dq GEMMs
-                    for i in T.Parallel(BT):
-                        g_s[i] = gn_s[i]
-                        b_s[i] = bn_s[i]
-                        eg_s[i] = T.exp2(gn_s[i] * LOG2E)
-                        r_s[i] = T.exp2((gn_s[BT - 1] - gn_s[i]) * LOG2E)
-                    # every thread reads exp(G_last) below (TileLang's own barrier here would cover only the writers)
-                    T.sync_threads()
-                    T.barrier_wait(bar_h[0], cc % 2)
-                    tsum[0] = 0.0
-                    for i, j in T.Parallel(V, K):
-                        tsum[0] = tsum[0] + ds_f[i, j] * T.cast(h_s[i, j], acc)         # e_L <dS1, S0>, below
-                    tsum[0] = tsum[0] * eg_s[BT - 1]
-                    T.copy(ds_f, ds_s)                                                  # dS1 as a GEMM operand
-                    T.barrier_wait(bar_in[0], cc % 2)
-                    T.barrier_wait(bar_va[0], cc % 2)
-                    if ln < BT:
-                        for i, j in T.Parallel(BT, K):
-                            if i >= ln:
-                                q_s[i, j] = T.cast(0, dtype)
-                                k_s[i, j] = T.cast(0, dtype)
-                        for i, j in T.Parallel(BT, V):
-                            if i >= ln:
-                                v_s[i, j] = T.cast(0, dtype)
-                                do_s[i, j] = T.cast(0, dtype)
+                    # ================= chunk warpgroup: loads, Ag, P, Pg, Vd, dP, the inverse's dAt, sums ==========
+                    ta = tx - A0
+                    vd_f = T.alloc_fragment((BT, V), acc)
+                    p_f = T.alloc_fragment((BT, BT), acc)
+                    x_f = T.alloc_fragment((BT, BT), acc)
+                    mx_f = T.alloc_fragment((BT, BT), acc)
+                    dag_f = T.alloc_fragment((BT, BT), acc)
+                    kk_f = T.alloc_fragment((BT, BT), acc)
+                    daba_f = T.alloc_fragment((BT, BT), acc)
+                    x2_f = T.alloc_fragment((BT, BT), acc)
+                    dl_f = T.alloc_fragment((BT, BT), acc)
+                    rbt_f = T.alloc_fragment((BT, BT), acc)
+                    red_m = T.alloc_fragment((BT,), acc)
+                    red_l = T.alloc_fragment((BT,), acc)
+                    gl = T.alloc_local((2,), acc)                   # the next chunk's G and beta of row ta
+                    if NT > 0:
+                        # the last chunk's tiles and gates; rows past the sequence end are zeroed before the arrivals
+                        cl = NT - 1
+                        t0 = bos + cl * BT
+                        ln = T.min(eos - t0, BT)
+                        if ta < 32:
+                            T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s, barrier=first[0])
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s, barrier=first[0])
+                            T.tma_copy(v[0, t0:t0 + BT, i_hv, 0:V], v_s, barrier=first[0])
+                            T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s, barrier=first[0])
+                            T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=first[0])
+                            T.tma_copy(h[T.cast(slot0 + cl, "int64"), i_hv, 0:V, 0:K], h_s, barrier=first[0])
+                            T.barrier_arrive(first[0])
+                        load_gates(cl, bos, eos, i_hv, ta, g, beta, gl)
+                        store_gates(0, ta, gl, g_s, b_s)
+                        T.barrier_wait(first[0], 0)
+                        if ln < BT:
+                            for i, j in T.Parallel(BT, K):
+                                if i >= ln:
+                                    q_s[i, j] = T.cast(0, dtype)
+                                    k_s[i, j] = T.cast(0, dtype)
+                            for i, j in T.Parallel(BT, V):
+                                if i >= ln:
+                                    v_s[i, j] = T.cast(0, dtype)
+                                    do_s[i, j] = T.cast(0, dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                if i >= ln:
+                                    a_s[i, j] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(full_k[0])
+                        T.barrier_arrive(full_qh[0])
+                        T.barrier_arrive(full_va[0])
+                        T.barrier_arrive(full_do[0])
+                        T.barrier_arrive(full_g[0])
+                        T.sync_threads(2, 128)                                              # A's zeroed rows, gates
+                        make_ag(0, a_s, g_s, b_s, ag_s)
+                    for cc in T.serial(NT):
+                        c = NT - 1 - cc
+                        t0 = bos + c * BT
+                        ln = T.min(eos - t0, BT)
+                        ph = cc % 2
+                        gs = cc % 2
+                        T.barrier_wait(full_k[0], ph)
+                        T.barrier_wait(full_qh[0], ph)
+                        mark(cc, "a.k")
+                        if c > 0:
+                            load_gates(c - 1, bos, eos, i_hv, ta, g, beta, gl)             # stored after dat_ready
+                        # ---- P = Q K^T, Pg (Ag is stored: the previous chunk's end or the set-up) ----
+                        T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T
+                        T.wait_wgmma(0)
                         for i, j in T.Parallel(BT, BT):
-                            if i >= ln:
-                                a_s[i, j] = T.cast(0, dtype)
-                    mark(cc, "c.load")
-
-                    # ---- forward pieces: U, P, and K dS1 issued together; then W, Ag, Pg; Vd, dVd ----
-                    T.wgmma_gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True)    # U = K S0   [BT, K] @ [K, V]
-                    T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T  [BT, K] @ [K, BT]
-                    T.wgmma_gemm(k_s, ds_s, dvd_f, transpose_B=True, clear_accum=True)  # K dS1     [BT, K] @ [K, V]
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(BT, V):
-                        w_f[i, j] = T.cast(T.cast(v_s[i, j], acc) - eg_s[i] * u_f[i, j], dtype)   # W = V - D U
-                        dvd_f[i, j] = dvd_f[i, j] * r_s[i]
-                    for i, j in T.Parallel(BT, BT):
-                        gam = gamma(g_s, i, j)
-                        ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gam * b_s[j], dtype)
-                        pg_s[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
-                    T.copy(w_f, v_s)
-                    T.wgmma_gemm(ag_s, v_s, vd_f, clear_accum=True)                    # Vd = Ag W  [BT, BT] @ [BT, V]
-                    T.wgmma_gemm(pg_s, do_s, dvd_f, transpose_A=True)                   # += Pg^T dO [BT, BT] @ [BT, V]
-                    T.wait_wgmma(0)
-                    T.copy(vd_f, vd_s)
-                    T.copy(dvd_f, dvd_s)
-                    mark(cc, "c.fwd")
-
-                    # ---- value path: dv, dAg, dU; the dG row terms accumulate in rs_f ----
-                    T.wgmma_gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)  # dv = Ag^T dVd
-                    T.wgmma_gemm(dvd_s, v_s, dag_f, transpose_B=True, clear_accum=True)  # dAg = dVd W^T
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(BT, V):
-                        if i < ln:
-                            dv[0, T.cast(t0 + i, "int64"), i_hv, j] = T.cast(dv_f[i, j], dtype)
-                    for i, j in T.Parallel(BT, V):
-                        rs_f[i, j] = -eg_s[i] * dv_f[i, j] * u_f[i, j]                  # dU o U
-                        dvd_s[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)              # dU = -D dv
-                    mark(cc, "c.dv")
-
-                    # ---- R Vd dS1^T (dk's first term), dPg = dO Vd^T; the inverse's dAb, dA ----
-                    T.wgmma_gemm(vd_s, ds_s, dk_f, clear_accum=True)                    # Vd dS1^T   [BT, V] @ [V, K]
-                    T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T [BT, V] @ [V, BT]
-                    for i, j in T.Parallel(BT, BT):
-                        dab = gamma(g_s, i, j) * dag_f[i, j]
-                        da_s[i, j] = T.cast(dab * b_s[j], dtype)
-                        daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(BT, K):
-                        dk_f[i, j] = dk_f[i, j] * r_s[i]
-                        rs_f[i, j] = rs_f[i, j] - dk_f[i, j] * T.cast(k_s[i, j], acc)
-                        tsum[0] = tsum[0] + dk_f[i, j] * T.cast(k_s[i, j], acc)
-                    mark(cc, "c.dk1")
-
-                    colsum(daba_f, dat_s, part_s, vec_s, 6, tx, tot)
-                    T.gemm(a_s, da_s, x2_f, transpose_A=True, clear_accum=True)        # A^T dA     [BT, BT] @ [BT, BT]
-                    for i, j in T.Parallel(BT, BT):
-                        gam = gamma(g_s, i, j)
-                        mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j] + daba_f[i, j] * b_s[j]
-                        da_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)               # dP
-                    T.copy(x2_f, pg_s)
-                    T.gemm(pg_s, a_s, dl_f, transpose_B=True, clear_accum=True)        # (A^T dA) A^T
-                    if c > 0:
-                        # A is consumed: the previous chunk's v and A load under the rest of this chunk
-                        T.sync_threads()
-                        load_va(c - 1, bos, i_hv, tx, v, A, v_s, a_s, bar_va)
-                    for i, j in T.Parallel(BT, BT):
-                        dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
-                    mark(cc, "c.inv")
-
-                    T.reduce_sum(mx_f, red_mr, dim=1)
-                    for i in T.Parallel(BT):
-                        vec_s[2, i] = red_mr[i]
-                    colsum(mx_f, dat_s, part_s, vec_s, 3, tx, tot)
-                    mark(cc, "c.dp")
-
-                    # ---- dq = scale D dO S0^T + dP K; dk += dU S0^T + dP^T Q ----
-                    T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True)                     # dO S0^T    [BT, V] @ [V, K]
-                    T.wgmma_gemm(dvd_s, h_s, dk_f)                                      # dU S0^T    [BT, V] @ [V, K]
-                    T.wgmma_gemm(da_s, q_s, dk_f, transpose_A=True)                     # dP^T Q     [BT, BT] @ [BT, K]
-                    if c > 0:
-                        store_gates(tx, gl, gn_s, bn_s)                                 # the previous chunk's gates
-                    T.wait_wgmma(0)
-                    if c > 0:
-                        # S0^T is consumed: the previous chunk's comes in under the rest of this one
-                        T.sync_threads()
-                        load_h(s64 - 1, i_hv, tx, h, h_s, bar_h)
-                    for i, j in T.Parallel(BT, K):
-                        dq_f[i, j] = dq_f[i, j] * (eg_s[i] * scale)
-                        rs_f[i, j] = rs_f[i, j] + dq_f[i, j] * T.cast(q_s[i, j], acc)
-                    T.gemm(da_s, k_s, dq_f)                                             # += dP K    [BT, BT] @ [BT, K]
-                    for i, j in T.Parallel(BT, K):
-                        if i < ln:
-                            dq[0, T.cast(t0 + i, "int64"), i_hv, j] = dq_f[i, j]
-                    mark(cc, "c.dq")
-
-                    # ---- dk += (dAt + dAt^T) K, dAt = diag(beta) dL ----
-                    for i, j in T.Parallel(BT, BT):
-                        dat_s[i, j] = b_s[i] * dl_f[i, j]
-                    for i, j in T.Parallel(BT, BT):
-                        pg_s[i, j] = T.cast(dat_s[i, j] + dat_s[j, i], dtype)
-                    T.wgmma_gemm(pg_s, k_s, dk_f)                                       # (dAt + dAt^T) K
-                    T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)   # K K^T      [BT, K] @ [K, BT]
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(BT, K):
-                        if i < ln:
-                            dk[0, T.cast(t0 + i, "int64"), i_hv, j] = dk_f[i, j]
-                    mark(cc, "c.dk")
-
-                    # ---- dS0^T = e_L dS1^T + dU^T K + dO^T (scale D Q), issued here and waited for after the rows
-                    # below (which touch neither dS nor q, k, dO) ----
-                    for i, j in T.Parallel(V, K):
-                        ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
-                    for i, j in T.Parallel(BT, K):
-                        qd_f[i, j] = T.cast(T.cast(q_s[i, j], acc) * (eg_s[i] * scale), dtype)
-                    T.copy(qd_f, q_s)
-                    T.wgmma_gemm(dvd_s, k_s, ds_f, transpose_A=True)                    # dU^T K     [V, BT] @ [BT, K]
-                    T.wgmma_gemm(do_s, q_s, ds_f, transpose_A=True)                     # dO^T (scale D Q)
-                    # ---- dbeta = colsum(dAb o A) + rowsum(dL o K K^T); dG rows (the last real row also gets the
-                    # chunk total e_L <dS1, S0> + the R-term's sum) ----
-                    for i, j in T.Parallel(BT, BT):
-                        rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
-                    T.reduce_sum(rbt_f, red_l, dim=1)
-                    T.reduce_sum(rs_f, red_u, dim=1)
-                    for i in T.Parallel(BT):
-                        vec_s[5, i] = red_l[i]
-                        vec_s[0, i] = red_u[i]
-                    tsum[0] = T.warp_reduce_sum(tsum[0])
-                    if tx % 32 == 0:
-                        wsum_s[tx // 32] = tsum[0]
-                    T.sync_threads()
-                    if tx == 0:
-                        tot[0] = 0.0
-                        for i in T.serial(THREADS // 32):
-                            tot[0] = tot[0] + wsum_s[i]
-                        vec_s[0, ln - 1] = vec_s[0, ln - 1] + tot[0]
-                    for i in T.Parallel(BT):
-                        if i < ln:
-                            dg[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[0, i] + vec_s[2, i] - vec_s[3, i]
-                            dbeta[0, T.cast(t0 + i, "int64"), i_hv] = vec_s[5, i] + vec_s[6, i]
-
-                    T.wait_wgmma(0)
-                    mark(cc, "c.ds")
-
-                if state_v_first:
-                    for i, j in T.Parallel(V, K):
-                        dh0[n64, i_hv, i, j] = ds_f[i, j]
-                else:
-                    for i, j in T.Parallel(V, K):
-                        dh0[n64, i_hv, j, i] = ds_f[i, j]
+                            pg_s[i, j] = T.cast(p_f[i, j] * gamma(g_s, gs, i, j) * scale, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(2, 128)                                              # (covers Ag too)
+                        T.barrier_arrive(prep_ready[0])
+                        mark(cc, "a.prep")
+                        # ---- Vd = Ag W, dPg = dO Vd^T, Mx's first term, dP ----
+                        T.barrier_wait(w_ready[0], ph)
+                        mark(cc, "a.w")
+                        T.wgmma_gemm(ag_s, v_s, vd_f, clear_accum=True)                    # Vd = Ag W
+                        T.wait_wgmma(0)
+                        T.copy(vd_f, vd_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(2, 128)
+                        T.barrier_wait(full_do[0], ph)
+                        T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, BT):
+                            gam = gamma(g_s, gs, i, j)
+                            mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j]               # Pg o dPg
+                            dp_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)            # dP
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dp_ready[0])
+                        T.reduce_sum(mx_f, red_m, dim=1)
+                        for i in T.Parallel(BT):
+                            vec_s[0, i] = red_m[i]
+                        colsum(mx_f, part_s, vec_s, 1, ta)
+                        mark(cc, "a.dp")
+                        # ---- chain-dependent: dAg, the inverse's dL, dbeta's and dG's column terms, dAt ----
+                        T.barrier_wait(dvd_ready[0], ph)
+                        mark(cc, "a.dvd")
+                        T.wgmma_gemm(dvd_s, v_s, dag_f, transpose_A=True, transpose_B=True,
+                                     clear_accum=True)                                  # dAg = dVd W^T
+                        T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)   # K K^T
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(BT, BT):
+                            dab = gamma(g_s, gs, i, j) * dag_f[i, j]
+                            ag_s[i, j] = T.cast(dab * b_s[gs, j], dtype)                   # dA
+                            daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
+                            mx_f[i, j] = daba_f[i, j] * b_s[gs, j]                         # dAb o A o beta_j
+                        T.fence_proxy_async()
+                        colsum(daba_f, part_s, vec_s, 2, ta)                                # (its barrier covers dA)
+                        T.wgmma_gemm(a_s, ag_s, x2_f, transpose_A=True, clear_accum=True)  # A^T dA
+                        T.wait_wgmma(0)
+                        T.sync_threads(2, 128)
+                        T.copy(x2_f, ag_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(2, 128)
+                        T.wgmma_gemm(ag_s, a_s, dl_f, transpose_B=True, clear_accum=True)  # (A^T dA) A^T
+                        T.reduce_sum(mx_f, red_m, dim=1)
+                        for i in T.Parallel(BT):
+                            vec_s[4, i] = red_m[i]
+                        colsum(mx_f, part_s, vec_s, 5, ta)
+                        T.wait_wgmma(0)
+                        if c > 0:
+                            # v (W) and A are consumed: the previous chunk's
+                            T.sync_threads(2, 128)
+                            if ta < 32:
+                                T.tma_copy(v[0, t0 - BT:t0, i_hv, 0:V], v_s, barrier=full_va[0])
+                                T.tma_copy(A[0, t0 - BT:t0, i_hv, 0:BT], a_s, barrier=full_va[0])
+                            T.barrier_arrive(full_va[0])
+                        for i, j in T.Parallel(BT, BT):
+                            dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
+                            rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
+                        T.reduce_sum(rbt_f, red_l, dim=1)
+                        for i in T.Parallel(BT):
+                            vec_s[3, i] = red_l[i]
+                        # dAt + dAt^T, dAt = diag(beta) dL strictly lower: each entry is one of the two terms (Pg
+                        # was last read by Y^T, before dvd_ready)
+                        for i, j in T.Parallel(BT, BT):
+                            if i > j:
+                                pg_s[i, j] = T.cast(b_s[gs, i] * dl_f[i, j], dtype)
+                                pg_s[j, i] = T.cast(b_s[gs, i] * dl_f[i, j], dtype)
+                            elif i == j:
+                                pg_s[i, j] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dat_ready[0])
+                        mark(cc, "a.inv")
+                        if c > 0:
+                            # ---- the previous chunk's gates, q, S0^T and dO (their readers have released them),
+                            # then k once dk is complete, and the previous chunk's Ag under k's load ----
+                            store_gates((cc + 1) % 2, ta, gl, g_s, b_s)
+                            T.barrier_wait(qh_free[0], ph)
+                            if ta < 32:
+                                T.tma_copy(q[0, t0 - BT:t0, i_h, 0:K], q_s, barrier=full_qh[0])
+                                T.tma_copy(h[T.cast(slot0 + c - 1, "int64"), i_hv, 0:V, 0:K], h_s,
+                                           barrier=full_qh[0])
+                                T.tma_copy(do[0, t0 - BT:t0, i_hv, 0:V], do_s, barrier=full_do[0])
+                            T.barrier_arrive(full_qh[0])
+                            T.barrier_arrive(full_do[0])
+                            T.barrier_arrive(full_g[(cc + 1) % 2])
+                            mark(cc, "a.load")
+                            T.barrier_wait(dk_done[0], ph)
+                            mark(cc, "a.done")
+                            if ta < 32:
+                                T.tma_copy(k[0, t0 - BT:t0, i_h, 0:K], k_s, barrier=full_k[0])
+                            T.barrier_arrive(full_k[0])
+                            T.sync_threads(2, 128)                                          # the gates
+                            T.barrier_wait(full_va[0], ph ^ 1)
+                            make_ag((cc + 1) % 2, a_s, g_s, b_s, ag_s)
+                            mark(cc, "a.ag")
 
     return chunk_bwd_kernel
 

@@ -8,11 +8,16 @@ with ``G[len - 1]`` and beta = 0, so they are inert), the dS chain of `chunk_bwd
 
     Pg = scale Gamma o Q K^T,  Ag = A o Gamma o beta_j
     dVd = R o (K dS1) + Pg^T dO;  dv = Ag^T dVd;  dU = -D dv
-    dS0 = e_L dS1 + K^T dU + scale Q^T D dO
+    dS0 = e_L dS1 + scale Q^T D dO + K^T dU
 
 Six GEMMs per chunk against `chunk_bwd`'s nineteen, and neither the states (h) nor v: F depends on dO and the
-chunk maps only. Same operand roundings as `chunk_bwd` (bf16/fp16 operands, fp32 accumulation), so its F equals
-the dh0 of a `chunk_bwd` launch with a zero dht up to the GEMMs' summation order.
+chunk maps only. The arithmetic is `chunk_bwd`'s: the same bf16/fp16 operands (dS1, Pg, Ag, dVd, dU, scale D dO)
+rounded from the same fp32 expressions, and the same accumulation sequence per element (each GEMM's k16 steps in
+order; Y = Pg^T dO from a cleared accumulator, then dVd = R o (K dS1) + Y; dS0's Q term before its dU term). So F
+is bit for bit the dh0 of a `chunk_bwd` launch with a zero dht, as far as a wgmma k16 step sums its products the
+same way in both kernels' instruction shapes. The roundings alone would not do: each bf16 rounding of the chain
+turns an fp32 difference of an ulp into a rounding-sized one that feeds the next chunk, so another summation order
+puts the two ~1e-3 apart (relative L2) after a few dozen chunks (docs/dev/chunk_bwd.md).
 
 Context parallelism's backward warm-up (docs/algorithm.md §4.4) launches builds with `chunk_take`: each (sequence,
 value head) walks only its first ``take[n, hv]`` chunks, from a zero gradient at the end of chunk take - 1 (the start
@@ -85,9 +90,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             i_h = i_hv // G
             tx = T.get_thread_binding()
 
-            q_s = T.alloc_shared((NS, BT, K), dtype)        # Q, then scale D Q in place
+            q_s = T.alloc_shared((NS, BT, K), dtype)
             k_s = T.alloc_shared((NS, BT, K), dtype)
-            do_s = T.alloc_shared((NS, BT, V), dtype)
+            do_s = T.alloc_shared((NS, BT, V), dtype)       # dO, then scale D dO in place
             a_s = T.alloc_shared((NS, BT, BT), dtype)
             ds_s = T.alloc_shared((V, K), dtype)            # dS1^T
             dvd_s = T.alloc_shared((BT, V), dtype)          # dVd, then dU
@@ -104,9 +109,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             ds_f = T.alloc_fragment((V, K), acc)            # dS^T, carried across chunks
             p_f = T.alloc_fragment((BT, BT), acc)
             dvd_f = T.alloc_fragment((BT, V), acc)
-            dv_f = T.alloc_fragment((BT, V), acc)
+            dv_f = T.alloc_fragment((BT, V), acc)            # Y = Pg^T dO, then dv
             du_f = T.alloc_fragment((BT, V), dtype)
-            qd_f = T.alloc_fragment((BT, K), dtype)
+            dod_f = T.alloc_fragment((BT, V), dtype)
             gl = T.alloc_local((2,), acc)
 
             bos = cu_seqlens[i_n]
@@ -156,22 +161,22 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     gam = T.exp2(T.Select(i >= j, (g_s[i] - g_s[j]) * LOG2E, -T.infinity(acc)))
                     pg_s[i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
                     ag_s[i, j] = T.cast(T.cast(a_s[st, i, j], acc) * gam * b_s[j], dtype)
+                T.gemm(pg_s, do_s[st, :, :], dv_f, transpose_A=True, clear_accum=True)  # Y = Pg^T dO
                 for i, j in T.Parallel(BT, V):
-                    dvd_f[i, j] = dvd_f[i, j] * r_s[i]
-                T.gemm(pg_s, do_s[st, :, :], dvd_f, transpose_A=True)                  # dVd += Pg^T dO
+                    dvd_f[i, j] = dvd_f[i, j] * r_s[i] + dv_f[i, j]                     # dVd = R o (K dS1) + Y
                 T.copy(dvd_f, dvd_s)
                 T.gemm(ag_s, dvd_s, dv_f, transpose_A=True, clear_accum=True)          # dv = Ag^T dVd
                 for i, j in T.Parallel(BT, V):
                     du_f[i, j] = T.cast(-eg_s[i] * dv_f[i, j], dtype)                   # dU = -D dv
-                for i, j in T.Parallel(BT, K):
-                    qd_f[i, j] = T.cast(T.cast(q_s[st, i, j], acc) * (eg_s[i] * scale), dtype)
+                for i, j in T.Parallel(BT, V):
+                    dod_f[i, j] = T.cast(T.cast(do_s[st, i, j], acc) * (eg_s[i] * scale), dtype)
                 for i, j in T.Parallel(V, K):
                     ds_f[i, j] = ds_f[i, j] * eg_s[BT - 1]
                 T.sync_threads()
                 T.copy(du_f, dvd_s)
-                T.copy(qd_f, q_s[st, :, :])
+                T.copy(dod_f, do_s[st, :, :])
+                T.wgmma_gemm(do_s[st, :, :], q_s[st, :, :], ds_f, transpose_A=True)    # dS0^T += (scale D dO)^T Q
                 T.wgmma_gemm(dvd_s, k_s[st, :, :], ds_f, transpose_A=True)             # dS0^T += dU^T K
-                T.wgmma_gemm(do_s[st, :, :], q_s[st, :, :], ds_f, transpose_A=True)    # dS0^T += dO^T (scale D Q)
                 T.wait_wgmma(0)
                 if c > 0:
                     if tx < BT:

@@ -446,8 +446,19 @@ def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized:
     return (lo >= 0) & (hi <= limit)
 
 
+def _kernel_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, kset) -> bool:
+    """Whether the TileLang windows kernel (`kernels.cp_windows`) decides the forward's warm-up for a call whose
+    chunk_fwd runs on `kset`: CUDA tensors on the SM90 kernel set, fp32 gates, the heads and dtypes it takes.
+    Elsewhere (the portable path, CPU) the torch ops of `windows` run."""
+    if not (g_cumsum.is_cuda and kset is not None and kset.name == "sm90" and g_cumsum.dtype == torch.float32):
+        return False
+    from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
+
+    return cp_windows.unsupported(k.shape[2], beta.shape[-1], k.shape[-1], k.dtype, beta.dtype) is None
+
+
 def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
-            keys_normalized: bool = False) -> Windows:
+            keys_normalized: bool = False, kset=None) -> Windows:
     """Per partition (not its sequence's last) and value head, the shortest suffix of its chunks whose summed log
     decay (the chunks' G_last from `g_cumsum`, added from the last chunk back) is ``<= threshold``, where every
     token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's condition, docs/algorithm.md
@@ -460,7 +471,9 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
 
     On the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens: partitions that are
     not their sequence's last have exactly L full chunks): no host synchronisation, so CUDA graphs capture it and
-    replay it with new lengths; ~25 small kernels with `keys_normalized`, ~30 without (the key norms: one read of k).
+    replay it with new lengths. `kset`: the kernel set running chunk_fwd; on the SM90 set with CUDA tensors the
+    warm-up path is one launch of `kernels.cp_windows` (`_kernel_windows`), elsewhere ~25 small torch kernels with
+    `keys_normalized`, ~30 without (the key norms: one read of k).
     """
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
@@ -471,6 +484,16 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     if threshold is None or T == 0:
         fb = inner.expand(P, HV)
         return Windows(skip_e=walk, skip_m=walk, fallback=fb, suffix=None, threshold=None)
+    if _kernel_windows(g_cumsum, k, beta, kset):
+        from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        # the bound as torch compares it: beta's dtype with keys_normalized (the scalar rounds to it), else exact
+        limit = CONTRACTION_LIMIT
+        if keys_normalized:
+            limit = float(torch.tensor(CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2, dtype=beta.dtype))
+        skip_e, skip_m, fallback, suffix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L,
+                                                                      threshold, limit, keys_normalized)
+        return Windows(skip_e=skip_e, skip_m=skip_m, fallback=fallback, suffix=suffix, threshold=float(threshold))
     # the partition's tokens, last first: chunk L - 1 - j's last token at [p, 64 j]; one gather serves the gates
     # (G_last along j, summed by one cumsum: suffix sums) and the contraction condition (every token)
     toks = torch.clamp_max(plan.cu[:-1, None] + torch.arange(L * BT - 1, -1, -1, device=dev), T - 1).view(-1)
@@ -551,7 +574,7 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     launch = backends.fn("chunk_fwd")
     sd = backends.kset("chunk_fwd").param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
     win = windows(g_cumsum, k, beta, plan, _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1]),
-                  keys_normalized=keys_normalized)
+                  keys_normalized=keys_normalized, kset=backends.kset("chunk_fwd"))
     M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd, windows=win)
     h0 = initial_state
     if h0 is not None:
@@ -770,12 +793,14 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
-    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan)."""
+    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan) and the forward warm-up's windows
+    kernel (`kernels.cp_windows`, with and without keys_normalized) where it takes the heads and dtypes."""
     from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
-                          fused_fwd)
+                          cp_windows, fused_fwd)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
     todo = cp_plan.launcher_builds()
+    todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
                 states_only=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))

@@ -78,3 +78,55 @@ def test_plan_kernel_compiles_and_is_listed(tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert re.search(r"\b0 bytes stack frame", report), report
+
+
+WINDOWS_BUILDS = {
+    # (H, HV, K, k dtype, beta dtype, keys_normalized): the benchmark rows' heads, GVA 1 with fp16, float64 beta
+    "2-8-128-bf16-fp32": (2, 8, 128, torch.bfloat16, torch.float32, False),
+    "2-8-128-bf16-fp32-normalized": (2, 8, 128, torch.bfloat16, torch.float32, True),
+    "16-16-64-fp16-fp16": (16, 16, 64, torch.float16, torch.float16, False),
+    "1-4-256-bf16-fp64": (1, 4, 256, torch.bfloat16, torch.float64, False),
+}
+
+
+def test_windows_builds_are_listed_where_cp_lists_its_builds():
+    """`kernels.cp_windows` (the SM90 path's forward warm-up decision): both keys_normalized builds in `cp.builds`
+    of the forward (and so of the backward's list too), none where it does not take the heads."""
+    from flashdelta.kernels import cp_windows
+
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    for n in (False, True):
+        assert (cp_windows.build.__name__, cp_windows.builder_args(2, 8, 128, torch.bfloat16, torch.float32, n)) \
+            in keys
+    assert cp_windows.launcher_builds(2, 8, 96, torch.bfloat16, torch.float32) == []
+    assert cp_windows.unsupported(2, 8, 128, torch.float32, torch.float32) is not None
+    assert cp_windows.unsupported(3, 8, 128, torch.bfloat16, torch.float32) is not None
+
+
+@pytest.fixture(scope="module")
+def windows_compiled():
+    from flashdelta.kernels import cp_windows
+
+    return compile_all(cp_windows.build, {n: cp_windows.builder_args(*a) for n, a in WINDOWS_BUILDS.items()})
+
+
+@pytest.mark.parametrize("name", list(WINDOWS_BUILDS))
+def test_windows_kernel_compiles_and_passes_the_checks(name, windows_compiled, tmp_path):
+    """Each windows build compiles for sm_90a, passes the hang checks, takes the plan's buffers and two float64
+    scalars, uses no tensor cores, reads k only without keys_normalized, and keeps its state in registers (no
+    spills, no stack)."""
+    kernel = windows_compiled[name]
+    if isinstance(kernel, BaseException):
+        raise kernel
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    sig = src[src.index("cp_windows_kernel_kernel("):].split(")", 1)[0]
+    assert "double limit" in sig and "double threshold" in sig and "double* __restrict__ suffix" in sig
+    assert "wgmma" not in src and "setmaxnreg" not in src
+    body = src[src.index("{", src.index("__launch_bounds__")):]
+    reads_k = re.search(r"(?<![\w.])k\[|\(k \+", body) is not None
+    assert reads_k != WINDOWS_BUILDS[name][-1], "k is read exactly without keys_normalized"
+    report = ptxas_report(src, tmp_path, name)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    assert re.search(r"\b0 bytes stack frame", report), report

@@ -1,0 +1,185 @@
+"""Context parallelism's forward warm-up decision in one launch (TileLang): what `cp.windows` computes with ~25-30
+small torch kernels on the warm-up path (a threshold), from g_cumsum, beta and (unless the keys are l2-normalised) k
+on the device, into buffers sized from host integers (P partition slots, L chunks per partition), so CUDA graphs
+capture it and replay it with new lengths.
+
+Per partition slot p and value head h (`cp.Windows`): ``suffix [P, L, HV]`` float64, the G_last of chunk
+``L - 1 - j`` (the gate at token ``min(cu[p] + 64 (L - j) - 1, T - 1)``) summed from j = 0 on, one float64 addition
+after the other from 0 (the order of torch's cumsum over a non-innermost dim), on every slot; on a partition that is
+not its sequence's last (``inner``: slot p + 1 exists and does not start a sequence) the head reaches when some
+suffix is ``<= threshold`` and every token of the partition has ``0 <= beta ||k||^2 <= limit`` (NaN: no; with
+`keys_normalized` beta alone against `limit`, the caller's bound rounded to beta's dtype): ``skip_e = L - 1 - j``
+(j the first reaching suffix), else ``skip_e = 0`` and ``fallback``; slots that are not inner: ``skip_e = SKIP_ALL``.
+``skip_m``: 0 on fallback heads, else ``SKIP_ALL``.
+
+One CTA per (slot, key head) of `THREADS` threads, for the key head's HV // H value heads: the gates of `LT` chunks
+at a time staged in shared memory, one thread per value head adding them in order; then (inner slots only) the
+partition's tokens in tiles of ``TILE // K`` tokens: the squared key norms in fp32 (k read once, coalesced; their sum
+order and fast-math rounding may differ from torch's `vector_norm` in the last bits, so a product within a few ulps
+of the limit may decide differently), the products ``beta ||k||^2`` in beta's promotion with fp32 (float64 for
+float64 beta) and a shared flag per value head. The torch code (`cp.windows`) stays the exact path and the portable
+one.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import tilelang.language as T
+import torch
+
+from . import _tl
+
+BT = 64
+THREADS = 256
+LT = 64                    # chunks per staging tile of the suffix sums
+TILE = 16384               # key elements per contraction tile (its tokens: TILE // K)
+SKIP_ALL = 1 << 30         # `cp.SKIP_ALL`
+K_DTYPES = (torch.bfloat16, torch.float16)
+BETA_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+HEAD_DIMS = (64, 128, 256)
+F32, F64, I32 = "float32", "float64", "int32"
+
+
+@_tl.jit()
+def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized: bool):
+    """The kernel; T (tokens), P (slots) and L (chunks per partition) are dynamic."""
+    G = HV // H
+    TB = TILE // K
+    CD = F64 if beta_dtype == F64 else F32      # beta x ||k||^2 as torch promotes it
+    T_ = T.dynamic("T")
+    P_ = T.dynamic("P")
+    L_ = T.dynamic("L")
+
+    @T.prim_func
+    def cp_windows_kernel(
+        g: T.Tensor((T_, HV), F32),
+        k: T.Tensor((T_, H, K), dtype),
+        beta: T.Tensor((T_, HV), beta_dtype),
+        cu: T.Tensor((P_ + 1,), I32),
+        first: T.Tensor((P_,), "uint8"),
+        skip_e: T.Tensor((P_, HV), I32),
+        skip_m: T.Tensor((P_, HV), I32),
+        fallback: T.Tensor((P_, HV), "uint8"),
+        suffix: T.Tensor((P_, L_, HV), F64),
+        threshold: T.float64,
+        limit: T.float64,
+    ):
+        with T.Kernel(P_, H, threads=THREADS) as (p, kh):
+            tx = T.get_thread_binding()
+            gs = T.alloc_shared((LT, G), F32)
+            bad = T.alloc_shared((G,), I32)
+            ns = T.alloc_shared((TB,), F32)
+            kr = T.alloc_fragment((TB, K), dtype)
+            br = T.alloc_fragment((TB, G), beta_dtype)
+            bc = T.alloc_fragment((TB, G), beta_dtype)
+            sq = T.alloc_fragment((TB, K), F32)
+            ss = T.alloc_fragment((TB,), F32)
+            run = T.alloc_local((1,), F64)
+            hit = T.alloc_local((1,), I32)
+            W = L_ * BT
+            bos = cu[p]
+            inner = (p + 1 < P_) & (first[T.min(p + 1, P_ - 1)] == 0)
+            run[0] = 0.0
+            hit[0] = L_                           # the first reaching suffix (L: none)
+            if tx < G:
+                bad[tx] = 0
+            for jt in T.serial(T.ceildiv(L_, LT)):
+                for j, h in T.Parallel(LT, G):
+                    gs[j, h] = T.if_then_else(jt * LT + j < L_,
+                                              g[T.min(bos + W - 1 - (jt * LT + j) * BT, T_ - 1), kh * G + h], 0.0)
+                T.sync_threads()
+                if tx < G:
+                    for j in T.serial(T.min(LT, L_ - jt * LT)):
+                        run[0] = run[0] + T.cast(gs[j, tx], F64)
+                        suffix[p, jt * LT + j, kh * G + tx] = run[0]
+                        if hit[0] == L_ and run[0] <= threshold:
+                            hit[0] = jt * LT + j
+                T.sync_threads()
+            nt = T.if_then_else(inner, T.ceildiv(W, TB), 0)
+            # tile it + 1's loads are issued before tile it is reduced and checked (registers, one tile ahead)
+            if not keys_normalized:
+                for i, j in T.Parallel(TB, K):
+                    kr[i, j] = T.if_then_else(inner & (i < W), k[T.min(bos + i, T_ - 1), kh, j], T.cast(0, dtype))
+            for i, h in T.Parallel(TB, G):
+                br[i, h] = T.if_then_else(inner & (i < W), beta[T.min(bos + i, T_ - 1), kh * G + h], T.cast(0, beta_dtype))
+            for it in T.serial(nt):
+                t1 = bos + (it + 1) * TB
+                if not keys_normalized:
+                    for i, j in T.Parallel(TB, K):
+                        sq[i, j] = T.cast(kr[i, j], F32) * T.cast(kr[i, j], F32)
+                    for i, j in T.Parallel(TB, K):
+                        kr[i, j] = T.if_then_else((it + 1) * TB + i < W, k[T.min(t1 + i, T_ - 1), kh, j],
+                                                  T.cast(0, dtype))
+                    T.reduce_sum(sq, ss, dim=1)
+                    for i in T.Parallel(TB):
+                        ns[i] = ss[i]
+                for i, h in T.Parallel(TB, G):
+                    bc[i, h] = br[i, h]
+                for i, h in T.Parallel(TB, G):
+                    br[i, h] = T.if_then_else((it + 1) * TB + i < W, beta[T.min(t1 + i, T_ - 1), kh * G + h],
+                                              T.cast(0, beta_dtype))
+                T.sync_threads()
+                for i, h in T.Parallel(TB, G):
+                    if it * TB + i < W:
+                        if keys_normalized:
+                            if not ((T.cast(bc[i, h], F64) >= 0.0) & (T.cast(bc[i, h], F64) <= limit)):
+                                bad[h] = 1
+                        else:
+                            if not ((T.cast(bc[i, h], CD) * T.cast(ns[i], CD) >= T.cast(0.0, CD))
+                                    & (T.cast(bc[i, h], CD) * T.cast(ns[i], CD) <= T.cast(limit, CD))):
+                                bad[h] = 1
+                T.sync_threads()
+            T.sync_threads()
+            if tx < G:
+                reach = inner & (hit[0] < L_) & (bad[tx] == 0)
+                fb = inner & (~reach)
+                skip_e[p, kh * G + tx] = T.if_then_else(reach, L_ - 1 - hit[0], T.if_then_else(inner, 0, SKIP_ALL))
+                skip_m[p, kh * G + tx] = T.if_then_else(fb, 0, SKIP_ALL)
+                fallback[p, kh * G + tx] = T.if_then_else(fb, T.cast(1, "uint8"), T.cast(0, "uint8"))
+
+    return cp_windows_kernel
+
+
+def unsupported(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> "str | None":
+    """Why the kernel does not take these heads / dtypes (None: it does)."""
+    if HV % H or HV // H > THREADS:
+        return f"HV={HV}, H={H}: value heads per key head must divide and be <= {THREADS}"
+    if K not in HEAD_DIMS:
+        return f"K={K} not in {HEAD_DIMS}"
+    if k_dtype not in K_DTYPES:
+        return f"k dtype {k_dtype} not in {K_DTYPES}"
+    if beta_dtype not in BETA_DTYPES:
+        return f"beta dtype {beta_dtype} not in {BETA_DTYPES}"
+    return None
+
+
+def builder_args(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype, keys_normalized: bool) -> tuple:
+    """The `build` arguments (its compile-cache key)."""
+    return (H, HV, K, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], bool(keys_normalized))
+
+
+def launcher_builds(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype,
+                    keys_normalized: tuple = (False, True)) -> list:
+    """(label, builder, args) of the forward windows kernel for each `keys_normalized` (none where unsupported)."""
+    if unsupported(H, HV, K, dtype, beta_dtype) is not None:
+        return []
+    return [(f"cp_windows {H}/{HV} K={K}{' normalized' if n else ''}", build,
+             builder_args(H, HV, K, dtype, beta_dtype, n)) for n in keys_normalized]
+
+
+def windows_tensors(g_cumsum: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, cu: torch.Tensor,
+                    first: torch.Tensor, L: int, threshold: float, limit: float, keys_normalized: bool) -> tuple:
+    """``(skip_e, skip_m, fallback, suffix)`` of `cp.windows` on the warm-up path: g_cumsum ``[1, T, HV]`` fp32, k
+    ``[1, T, H, K]``, beta ``[1, T, HV]``, the plan's ``cu [P + 1]`` int32 and ``first [P]`` bool, all on the GPU,
+    T >= 1; `limit` the contraction bound as the comparison takes it (`cp.windows`). One launch, no host
+    synchronisation."""
+    _, T_, HV = g_cumsum.shape
+    H, K = k.shape[2], k.shape[3]
+    P = cu.shape[0] - 1
+    assert T_ >= 1 and P >= 1 and L >= 1 and unsupported(H, HV, K, k.dtype, beta.dtype) is None
+    dev = g_cumsum.device
+    skip_e = torch.empty(P, HV, dtype=torch.int32, device=dev)
+    skip_m = torch.empty(P, HV, dtype=torch.int32, device=dev)
+    fallback = torch.empty(P, HV, dtype=torch.uint8, device=dev)
+    suffix = torch.empty(P, L, HV, dtype=torch.float64, device=dev)
+    kernel = build(*builder_args(H, HV, K, k.dtype, beta.dtype, keys_normalized))
+    kernel(g_cumsum[0].contiguous(), k[0].contiguous(), beta[0].contiguous(), cu.contiguous(),
+           first.contiguous().view(torch.uint8), skip_e, skip_m, fallback, suffix, float(threshold), float(limit))
+    return skip_e, skip_m, fallback.view(torch.bool), suffix

@@ -46,6 +46,11 @@ def builds() -> list:
     for case, backward in todo:
         for label, b, a in _variants(case, backward):
             out.setdefault((b.__name__, a), (f"{case.name}: {label}", b, a))
+    from flashdelta.kernels import cp_windows
+
+    for n, (_, _, H, HV, K, dtype, beta_dtype, _) in enumerate(WINDOWS_KERNEL_CASES):
+        for label, b, a in cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype):
+            out.setdefault((b.__name__, a), (f"windows kernel {n}: {label}", b, a))
     return list(out.values())
 
 
@@ -125,6 +130,95 @@ def test_plan_kernel_matches_the_torch_plan(lengths, T, L, dense):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
     assert want.scan_cu is None and torch.equal(cp._part_cu(got), cp._part_cu(want))
+
+
+WINDOWS_KERNEL_CASES = [
+    # (sequence lengths before the last one, pad tokens, H, HV, K, k dtype, beta dtype, L): GVA 4 and 1, every beta
+    # dtype; the last sequence has 4 L chunks and 100 tokens (four inner partitions and a ragged last one)
+    ((5000, 1, 700, 0, 130), 7, 2, 8, 128, torch.bfloat16, torch.float32, 8),
+    ((5000, 1, 700, 0, 130), 7, 2, 8, 128, torch.bfloat16, torch.float32, 64),
+    ((9000, 64 * 32 * 3), 0, 4, 4, 64, torch.float16, torch.float16, 32),
+    ((3000, 64 * 8 * 5, 17), 3, 1, 4, 256, torch.bfloat16, torch.bfloat16, 8),
+    ((), 0, 2, 8, 128, torch.bfloat16, torch.float64, 32),
+]
+
+
+def _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L):
+    """g_cumsum (head 0 never decays, head 1 decays by ~20 per chunk, the others by 0.5-4), l2-normalised keys,
+    beta in [0, 1], then violations in the last sequence's inner partitions: beta x ||k||^2 > 2 through the key (key
+    head 0, its first partition), beta > 2 (head 2, the same), beta < 0 (head 3 % HV, its second), NaN beta (the
+    last head, its third partition's last token), and violations in sequences' last partitions (ignored)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = (*before, 4 * 64 * L + 100)
+    N, T = len(lengths), sum(lengths) + pad
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    rate = -torch.rand(HV, generator=gen, dtype=torch.float64) * 3.5 - 0.5
+    rate[0], rate[1 % HV] = 0.0, -20.0
+    g = (rate * (0.5 + torch.rand(T, HV, generator=gen, dtype=torch.float64))).float()[None]
+    k = torch.randn(T, H, K, generator=gen)
+    k = (k / k.norm(dim=-1, keepdim=True)).to(dtype)
+    beta = torch.rand(T, HV, generator=gen).to(torch.float64)
+    W, s = 64 * L, int(cu[N - 1])
+    k[s + 70, 0] *= 2                                 # ||k||^2 ~ 4: beta ~ 0.5 x 4 > 2 unless beta is small
+    beta[s + 70, : HV // H] = 0.75
+    beta[s + 5, 2 % HV] = 2.5
+    beta[s + W + 100, 3 % HV] = -0.25
+    beta[s + 3 * W - 1, HV - 1] = float("nan")
+    assert s + 4 * W < int(cu[N])
+    beta[int(cu[N]) - 1, :] = 5.0                     # the last partition of the last sequence: not checked
+    beta[int(cu[1]) - 1, 1 % HV] = -1.0               # sequence 0's last token (its last partition)
+    return g.cuda(), k[None].cuda(), beta.to(beta_dtype)[None].cuda(), cu.cuda(), T
+
+
+def _sequential_suffix(g_cumsum, plan):
+    """`Windows.suffix` by an explicit loop on the CPU: chunk L - 1 - j's last gate (the token clamped to T - 1),
+    added one float64 addition after the other from 0."""
+    g = g_cumsum[0].cpu().double()
+    T = g.shape[0]
+    cu = plan.cu.cpu().to(torch.int64)
+    out = torch.empty(plan.P, plan.L, g.shape[1], dtype=torch.float64)
+    run = torch.zeros(plan.P, g.shape[1], dtype=torch.float64)
+    for j in range(plan.L):
+        run = run + g[torch.clamp_max(cu[:-1] + 64 * (plan.L - j) - 1, T - 1)]
+        out[:, j] = run
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(WINDOWS_KERNEL_CASES)))
+@pytest.mark.parametrize("normalized", [False, True])
+def test_windows_kernel_matches_the_torch_windows(i, normalized):
+    """`kernels.cp_windows` (the SM90 path of `cp.windows` on the warm-up path) gives the torch ops' decision bit
+    for bit (skip_e, skip_m, fallback on every slot), and suffix sums equal to an explicit sequential float64 sum;
+    the violations reach exactly the heads and partitions they should; the exact path (no threshold) is unchanged."""
+    from flashdelta.kernels import sm90
+
+    before, pad, H, HV, K, dtype, beta_dtype, L = WINDOWS_KERNEL_CASES[i]
+    g_cumsum, k, beta, cu, T = _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L)
+    plan = cp.make_plan(cu, T, L, kset=sm90.KERNELS)
+    thr = cp.WARMUP_THRESHOLD
+    got = cp.windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized, kset=sm90.KERNELS)
+    want = cp.windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized)
+    torch.cuda.synchronize()
+    for name in ("skip_e", "skip_m", "fallback"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert got.threshold == want.threshold and got.suffix.dtype == torch.float64
+    ref = _sequential_suffix(g_cumsum, plan)
+    assert torch.equal(got.suffix.cpu(), ref), "suffix: the sequential float64 sum"
+    print(f"case {i}: torch's cumsum equals the sequential sum: {torch.equal(want.suffix.cpu(), ref)}")
+    assert torch.equal(got.n(L), want.n(L))
+    # the edge cases decide as built: head 0 falls back on every inner partition, the violations fall back
+    inner = ~plan.first.roll(-1).cpu()
+    fb = got.fallback.cpu()
+    assert bool(fb[inner, 0].all()) and not bool(fb[~inner].any())
+    assert bool(((got.n(L).cpu() < L) & ~fb)[inner].any()), "the case must truncate"
+    s = int(plan.last_index[-2]) + 1 if before else 0                                 # the last sequence's first slot
+    G = HV // H
+    assert bool(fb[s, 2 % HV]) and bool(fb[s + 1, 3 % HV]) and bool(fb[s + 2, HV - 1])
+    if not normalized:
+        assert bool(fb[s, :G].all()), "the long key falls back its key head's value heads"
+    exact = cp.windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
+    assert exact.suffix is None and torch.equal(exact.fallback.cpu(), inner[:, None].expand(plan.P, HV))
 
 
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)

@@ -447,14 +447,22 @@ def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized:
 
 
 def _kernel_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, kset) -> bool:
-    """Whether the TileLang windows kernel (`kernels.cp_windows`) decides the forward's warm-up for a call whose
-    chunk_fwd runs on `kset`: CUDA tensors on the SM90 kernel set, fp32 gates, the heads and dtypes it takes.
-    Elsewhere (the portable path, CPU) the torch ops of `windows` run."""
+    """Whether the TileLang windows kernel (`kernels.cp_windows`) takes a warm-up decision (`windows`,
+    `grad_windows`) for a call whose pass runs on `kset`: CUDA tensors on the SM90 kernel set, fp32 gates, the heads
+    and dtypes it takes. Elsewhere (the portable path, CPU) the torch ops run."""
     if not (g_cumsum.is_cuda and kset is not None and kset.name == "sm90" and g_cumsum.dtype == torch.float32):
         return False
     from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
 
     return cp_windows.unsupported(k.shape[2], beta.shape[-1], k.shape[-1], k.dtype, beta.dtype) is None
+
+
+def _limit(beta: Tensor, keys_normalized: bool) -> float:
+    """The contraction bound as `_contracting` compares it (a host float): with `keys_normalized` beta is compared
+    in its own dtype, so the scalar rounds to it; else the products (fp32 or float64) against 2 exactly."""
+    if keys_normalized:
+        return float(torch.tensor(CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2, dtype=beta.dtype))
+    return CONTRACTION_LIMIT
 
 
 def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
@@ -478,22 +486,19 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
     P, L = plan.P, plan.L
+    if threshold is not None and T > 0 and _kernel_windows(g_cumsum, k, beta, kset):
+        from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        skip_e, skip_m, fallback, suffix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L,
+                                                                      threshold, _limit(beta, keys_normalized),
+                                                                      keys_normalized)
+        return Windows(skip_e=skip_e, skip_m=skip_m, fallback=fallback, suffix=suffix, threshold=float(threshold))
     inner = ~plan.first.roll(-1)[:, None]                 # [P, 1]: slot p + 1 continues p's sequence (0 starts one)
     none = torch.full((P, HV), SKIP_ALL, dtype=torch.int32, device=dev)
     walk = torch.where(inner, 0, none)                    # the exact path: every chunk of inner partitions
     if threshold is None or T == 0:
         fb = inner.expand(P, HV)
         return Windows(skip_e=walk, skip_m=walk, fallback=fb, suffix=None, threshold=None)
-    if _kernel_windows(g_cumsum, k, beta, kset):
-        from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
-
-        # the bound as torch compares it: beta's dtype with keys_normalized (the scalar rounds to it), else exact
-        limit = CONTRACTION_LIMIT
-        if keys_normalized:
-            limit = float(torch.tensor(CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2, dtype=beta.dtype))
-        skip_e, skip_m, fallback, suffix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L,
-                                                                      threshold, limit, keys_normalized)
-        return Windows(skip_e=skip_e, skip_m=skip_m, fallback=fallback, suffix=suffix, threshold=float(threshold))
     # the partition's tokens, last first: chunk L - 1 - j's last token at [p, 64 j]; one gather serves the gates
     # (G_last along j, summed by one cumsum: suffix sums) and the contraction condition (every token)
     toks = torch.clamp_max(plan.cu[:-1, None] + torch.arange(L * BT - 1, -1, -1, device=dev), T - 1).view(-1)
@@ -617,7 +622,7 @@ class GradWindows(NamedTuple):
 
 
 def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
-                 keys_normalized: bool = False) -> GradWindows:
+                 keys_normalized: bool = False, kset=None) -> GradWindows:
     """The backward's mirror of `windows`: per partition that is not its sequence's first and value head, the
     shortest prefix of its chunks whose summed log decay (the chunks' G_last, added from the first chunk on) is
     ``<= threshold``, where every token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's
@@ -630,11 +635,20 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     The partition that is not its sequence's first may be its last, ragged one: chunk j's G_last is the gate at
     ``min(start + 64 j + 63, end - 1)`` and chunks past the end add nothing; tokens past the end are not checked. On
     the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens): no host
-    synchronisation, so CUDA graphs capture it and replay it with new lengths.
+    synchronisation, so CUDA graphs capture it and replay it with new lengths. `kset`: the kernel set running
+    chunk_dstate; on the SM90 set with CUDA tensors the warm-up path is one launch of `kernels.cp_windows`
+    (`_kernel_windows`), elsewhere torch ops.
     """
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
     P, L = plan.P, plan.L
+    if threshold is not None and T > 0 and _kernel_windows(g_cumsum, k, beta, kset):
+        from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
+
+        take, fallback, prefix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L, threshold,
+                                                            _limit(beta, keys_normalized), keys_normalized,
+                                                            backward=True)
+        return GradWindows(take=take, fallback=fallback, prefix=prefix, threshold=float(threshold))
     cont = ~plan.first[:, None]                           # [P, 1]: continues its sequence (neither first nor unused)
     every = torch.where(cont, TAKE_ALL, torch.zeros((P, HV), dtype=torch.int32, device=dev))
     if threshold is None or T == 0:
@@ -768,7 +782,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
     win = None
     if thr is not None:
-        win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized)
+        win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
     Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
                       take=None if win is None else win.take)
     if win is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
@@ -794,13 +808,14 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
     it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan) and the forward warm-up's windows
-    kernel (`kernels.cp_windows`, with and without keys_normalized) where it takes the heads and dtypes."""
+    kernel (`kernels.cp_windows`, with and without keys_normalized; with `backward`, also the backward's) where it
+    takes the heads and dtypes."""
     from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
                           cp_windows, fused_fwd)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
     todo = cp_plan.launcher_builds()
-    todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)
+    todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype, backward=(False, True) if backward else (False,))
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
                 states_only=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))

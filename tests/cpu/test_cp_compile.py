@@ -6,6 +6,7 @@ each, compiled at once): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark r
 fp16 beta at 16/32. And the plan kernel (`kernels.cp_plan`): listed, compiled, checked. tests/gpu/test_cp_gpu.py
 runs them on the GPU.
 """
+import functools
 import re
 
 import pytest
@@ -81,23 +82,28 @@ def test_plan_kernel_compiles_and_is_listed(tmp_path):
 
 
 WINDOWS_BUILDS = {
-    # (H, HV, K, k dtype, beta dtype, keys_normalized): the benchmark rows' heads, GVA 1 with fp16, float64 beta
+    # (H, HV, K, k dtype, beta dtype, keys_normalized[, backward]): the benchmark rows' heads, GVA 1 with fp16,
+    # float64 beta, the backward's
     "2-8-128-bf16-fp32": (2, 8, 128, torch.bfloat16, torch.float32, False),
     "2-8-128-bf16-fp32-normalized": (2, 8, 128, torch.bfloat16, torch.float32, True),
     "16-16-64-fp16-fp16": (16, 16, 64, torch.float16, torch.float16, False),
     "1-4-256-bf16-fp64": (1, 4, 256, torch.bfloat16, torch.float64, False),
+    "2-8-128-bf16-fp32-bwd": (2, 8, 128, torch.bfloat16, torch.float32, False, True),
+    "16-16-64-fp16-fp16-normalized-bwd": (16, 16, 64, torch.float16, torch.float16, True, True),
 }
 
 
 def test_windows_builds_are_listed_where_cp_lists_its_builds():
-    """`kernels.cp_windows` (the SM90 path's forward warm-up decision): both keys_normalized builds in `cp.builds`
-    of the forward (and so of the backward's list too), none where it does not take the heads."""
+    """`kernels.cp_windows` (the SM90 path's warm-up decisions): both keys_normalized builds of the forward's in
+    `cp.builds`, the backward's too with the backward, none where it does not take the heads."""
     from flashdelta.kernels import cp_windows
 
-    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
-    for n in (False, True):
-        assert (cp_windows.build.__name__, cp_windows.builder_args(2, 8, 128, torch.bfloat16, torch.float32, n)) \
-            in keys
+    args = functools.partial(cp_windows.builder_args, 2, 8, 128, torch.bfloat16, torch.float32)
+    fwd = {a for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)
+           if b is cp_windows.build}
+    both = {a for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5, backward=True)
+            if b is cp_windows.build}
+    assert fwd == {args(False), args(True)} and both == fwd | {args(False, True), args(True, True)}
     assert cp_windows.launcher_builds(2, 8, 96, torch.bfloat16, torch.float32) == []
     assert cp_windows.unsupported(2, 8, 128, torch.float32, torch.float32) is not None
     assert cp_windows.unsupported(3, 8, 128, torch.bfloat16, torch.float32) is not None
@@ -121,11 +127,13 @@ def test_windows_kernel_compiles_and_passes_the_checks(name, windows_compiled, t
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
     sig = src[src.index("cp_windows_kernel_kernel("):].split(")", 1)[0]
-    assert "double limit" in sig and "double threshold" in sig and "double* __restrict__ suffix" in sig
+    assert "double limit" in sig and "double threshold" in sig and "double* __restrict__ sums" in sig
     assert "wgmma" not in src and "setmaxnreg" not in src
     body = src[src.index("{", src.index("__launch_bounds__")):]
     reads_k = re.search(r"(?<![\w.])k\[|\(k \+", body) is not None
-    assert reads_k != WINDOWS_BUILDS[name][-1], "k is read exactly without keys_normalized"
+    assert reads_k != WINDOWS_BUILDS[name][5], "k is read exactly without keys_normalized"
+    backward = len(WINDOWS_BUILDS[name]) > 6
+    assert ("skip_m" in sig) != backward and "int* __restrict__ chunks" in sig
     report = ptxas_report(src, tmp_path, name)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report

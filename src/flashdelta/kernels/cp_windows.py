@@ -1,24 +1,27 @@
-"""Context parallelism's forward warm-up decision in one launch (TileLang): what `cp.windows` computes with ~25-30
-small torch kernels on the warm-up path (a threshold), from g_cumsum, beta and (unless the keys are l2-normalised) k
-on the device, into buffers sized from host integers (P partition slots, L chunks per partition), so CUDA graphs
-capture it and replay it with new lengths.
+"""Context parallelism's warm-up decisions in one launch (TileLang): what `cp.windows` (forward) and
+`cp.grad_windows` (backward) compute with ~25-30 small torch kernels each on the warm-up path (a threshold), from
+g_cumsum, beta and (unless the keys are l2-normalised) k on the device, into buffers sized from host integers (P
+partition slots, L chunks per partition), so CUDA graphs capture it and replay it with new lengths.
 
-Per partition slot p and value head h (`cp.Windows`): ``suffix [P, L, HV]`` float64, the G_last of chunk
-``L - 1 - j`` (the gate at token ``min(cu[p] + 64 (L - j) - 1, T - 1)``) summed from j = 0 on, one float64 addition
-after the other from 0 (the order of torch's cumsum over a non-innermost dim), on every slot; on a partition that is
-not its sequence's last (``inner``: slot p + 1 exists and does not start a sequence) the head reaches when some
-suffix is ``<= threshold`` and every token of the partition has ``0 <= beta ||k||^2 <= limit`` (NaN: no; with
-`keys_normalized` beta alone against `limit`, the caller's bound rounded to beta's dtype): ``skip_e = L - 1 - j``
-(j the first reaching suffix), else ``skip_e = 0`` and ``fallback``; slots that are not inner: ``skip_e = SKIP_ALL``.
-``skip_m``: 0 on fallback heads, else ``SKIP_ALL``.
+Per partition slot p and value head h. Forward (`cp.Windows`): ``suffix [P, L, HV]`` float64, the G_last of chunk
+``L - 1 - j`` (the gate at token ``min(cu[p] + 64 (L - j) - 1, T - 1)``) summed from j = 0 on; a slot that is not
+its sequence's last (``inner``: slot p + 1 exists and does not start a sequence) reaches when some sum is
+``<= threshold`` and every token of the partition has ``0 <= beta ||k||^2 <= limit`` (NaN: no; with
+`keys_normalized` beta alone against `limit`, the caller's bound rounded to beta's dtype): ``skip_e = L - 1 - j`` (j
+the first reaching sum), else ``skip_e = 0`` and ``fallback``; other slots ``skip_e = SKIP_ALL``; ``skip_m`` 0 on
+fallback heads, else ``SKIP_ALL``. Backward (`cp.GradWindows`, `backward`): ``prefix [P, L, HV]``, chunk j's G_last
+(the gate at ``clamp(min(cu[p] + 64 j + 63, cu[p + 1] - 1), 0, T - 1)``, 0 for chunks past the partition's end)
+summed from j = 0 on; a slot that continues its sequence (not ``first``) reaches as above over its own tokens
+``[cu[p], cu[p + 1])``: ``take = j + 1``, else ``TAKE_ALL`` and ``fallback``; other slots ``take = 0``. The sums add
+one float64 addition after the other from 0 (the order of torch's cumsum over a non-innermost dim), on every slot.
 
 One CTA per (slot, key head) of `THREADS` threads, for the key head's HV // H value heads: the gates of `LT` chunks
-at a time staged in shared memory, one thread per value head adding them in order; then (inner slots only) the
-partition's tokens in tiles of ``TILE // K`` tokens: the squared key norms in fp32 (k read once, coalesced; their sum
-order and fast-math rounding may differ from torch's `vector_norm` in the last bits, so a product within a few ulps
-of the limit may decide differently), the products ``beta ||k||^2`` in beta's promotion with fp32 (float64 for
-float64 beta) and a shared flag per value head. The torch code (`cp.windows`) stays the exact path and the portable
-one.
+at a time staged in shared memory, one thread per value head adding them in order; then (slots that decide only) the
+partition's tokens in tiles of ``TILE // K`` tokens, the next tile's loads issued before the current one is checked:
+the squared key norms in fp32 (k read once, coalesced; their sum order and fast-math rounding may differ from
+torch's `vector_norm` in the last bits, so a product within a few ulps of the limit may decide differently), the
+products ``beta ||k||^2`` in beta's promotion with fp32 (float64 for float64 beta) and a shared flag per value head.
+The torch code (`cp.windows`, `cp.grad_windows`) stays the exact path and the portable one.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import tilelang.language as T
@@ -30,7 +33,7 @@ BT = 64
 THREADS = 256
 LT = 64                    # chunks per staging tile of the suffix sums
 TILE = 16384               # key elements per contraction tile (its tokens: TILE // K)
-SKIP_ALL = 1 << 30         # `cp.SKIP_ALL`
+SKIP_ALL = 1 << 30         # `cp.SKIP_ALL` and `cp.TAKE_ALL`
 K_DTYPES = (torch.bfloat16, torch.float16)
 BETA_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 HEAD_DIMS = (64, 128, 256)
@@ -38,8 +41,9 @@ F32, F64, I32 = "float32", "float64", "int32"
 
 
 @_tl.jit()
-def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized: bool):
-    """The kernel; T (tokens), P (slots) and L (chunks per partition) are dynamic."""
+def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized: bool, backward: bool = False):
+    """The kernel (`backward`: `cp.grad_windows`'s, else `cp.windows`'s); T (tokens), P (slots) and L (chunks per
+    partition) are dynamic."""
     G = HV // H
     TB = TILE // K
     CD = F64 if beta_dtype == F64 else F32      # beta x ||k||^2 as torch promotes it
@@ -54,10 +58,10 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
         beta: T.Tensor((T_, HV), beta_dtype),
         cu: T.Tensor((P_ + 1,), I32),
         first: T.Tensor((P_,), "uint8"),
-        skip_e: T.Tensor((P_, HV), I32),
-        skip_m: T.Tensor((P_, HV), I32),
+        chunks: T.Tensor((P_, HV), I32),
+        skip_m: T.Tensor((1,) if backward else (P_, HV), I32),
         fallback: T.Tensor((P_, HV), "uint8"),
-        suffix: T.Tensor((P_, L_, HV), F64),
+        sums: T.Tensor((P_, L_, HV), F64),
         threshold: T.float64,
         limit: T.float64,
     ):
@@ -75,37 +79,48 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
             hit = T.alloc_local((1,), I32)
             W = L_ * BT
             bos = cu[p]
-            inner = (p + 1 < P_) & (first[T.min(p + 1, P_ - 1)] == 0)
+            eos = cu[p + 1]
+            # forward: slot p + 1 continues p's sequence (p is not its last); backward: p continues one (not first)
+            if backward:
+                live = first[p] == 0
+            else:
+                live = (p + 1 < P_) & (first[T.min(p + 1, P_ - 1)] == 0)
+            n_tok = T.if_then_else(live, (eos - bos) if backward else W, 0)       # the tokens checked
             run[0] = 0.0
-            hit[0] = L_                           # the first reaching suffix (L: none)
+            hit[0] = L_                           # the first reaching sum (L: none)
             if tx < G:
                 bad[tx] = 0
             for jt in T.serial(T.ceildiv(L_, LT)):
                 for j, h in T.Parallel(LT, G):
-                    gs[j, h] = T.if_then_else(jt * LT + j < L_,
-                                              g[T.min(bos + W - 1 - (jt * LT + j) * BT, T_ - 1), kh * G + h], 0.0)
+                    if backward:        # chunk c from the first: its last token in the partition, 0 past its end
+                        gs[j, h] = T.if_then_else(
+                            (jt * LT + j < L_) & (bos + (jt * LT + j) * BT < eos),
+                            g[T.max(T.min(T.min(bos + (jt * LT + j) * BT + BT - 1, eos - 1), T_ - 1), 0), kh * G + h],
+                            0.0)
+                    else:               # chunk L - 1 - c: from the last chunk back
+                        gs[j, h] = T.if_then_else(
+                            jt * LT + j < L_, g[T.min(bos + W - 1 - (jt * LT + j) * BT, T_ - 1), kh * G + h], 0.0)
                 T.sync_threads()
                 if tx < G:
                     for j in T.serial(T.min(LT, L_ - jt * LT)):
                         run[0] = run[0] + T.cast(gs[j, tx], F64)
-                        suffix[p, jt * LT + j, kh * G + tx] = run[0]
+                        sums[p, jt * LT + j, kh * G + tx] = run[0]
                         if hit[0] == L_ and run[0] <= threshold:
                             hit[0] = jt * LT + j
                 T.sync_threads()
-            nt = T.if_then_else(inner, T.ceildiv(W, TB), 0)
             # tile it + 1's loads are issued before tile it is reduced and checked (registers, one tile ahead)
             if not keys_normalized:
                 for i, j in T.Parallel(TB, K):
-                    kr[i, j] = T.if_then_else(inner & (i < W), k[T.min(bos + i, T_ - 1), kh, j], T.cast(0, dtype))
+                    kr[i, j] = T.if_then_else(i < n_tok, k[T.min(bos + i, T_ - 1), kh, j], T.cast(0, dtype))
             for i, h in T.Parallel(TB, G):
-                br[i, h] = T.if_then_else(inner & (i < W), beta[T.min(bos + i, T_ - 1), kh * G + h], T.cast(0, beta_dtype))
-            for it in T.serial(nt):
+                br[i, h] = T.if_then_else(i < n_tok, beta[T.min(bos + i, T_ - 1), kh * G + h], T.cast(0, beta_dtype))
+            for it in T.serial(T.ceildiv(n_tok, TB)):
                 t1 = bos + (it + 1) * TB
                 if not keys_normalized:
                     for i, j in T.Parallel(TB, K):
                         sq[i, j] = T.cast(kr[i, j], F32) * T.cast(kr[i, j], F32)
                     for i, j in T.Parallel(TB, K):
-                        kr[i, j] = T.if_then_else((it + 1) * TB + i < W, k[T.min(t1 + i, T_ - 1), kh, j],
+                        kr[i, j] = T.if_then_else((it + 1) * TB + i < n_tok, k[T.min(t1 + i, T_ - 1), kh, j],
                                                   T.cast(0, dtype))
                     T.reduce_sum(sq, ss, dim=1)
                     for i in T.Parallel(TB):
@@ -113,11 +128,11 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
                 for i, h in T.Parallel(TB, G):
                     bc[i, h] = br[i, h]
                 for i, h in T.Parallel(TB, G):
-                    br[i, h] = T.if_then_else((it + 1) * TB + i < W, beta[T.min(t1 + i, T_ - 1), kh * G + h],
+                    br[i, h] = T.if_then_else((it + 1) * TB + i < n_tok, beta[T.min(t1 + i, T_ - 1), kh * G + h],
                                               T.cast(0, beta_dtype))
                 T.sync_threads()
                 for i, h in T.Parallel(TB, G):
-                    if it * TB + i < W:
+                    if it * TB + i < n_tok:
                         if keys_normalized:
                             if not ((T.cast(bc[i, h], F64) >= 0.0) & (T.cast(bc[i, h], F64) <= limit)):
                                 bad[h] = 1
@@ -128,11 +143,14 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
                 T.sync_threads()
             T.sync_threads()
             if tx < G:
-                reach = inner & (hit[0] < L_) & (bad[tx] == 0)
-                fb = inner & (~reach)
-                skip_e[p, kh * G + tx] = T.if_then_else(reach, L_ - 1 - hit[0], T.if_then_else(inner, 0, SKIP_ALL))
-                skip_m[p, kh * G + tx] = T.if_then_else(fb, 0, SKIP_ALL)
+                reach = live & (hit[0] < L_) & (bad[tx] == 0)
+                fb = live & (~reach)
                 fallback[p, kh * G + tx] = T.if_then_else(fb, T.cast(1, "uint8"), T.cast(0, "uint8"))
+                if backward:            # take: the window's chunks, every chunk (fallback), none (first, unused)
+                    chunks[p, kh * G + tx] = T.if_then_else(reach, hit[0] + 1, T.if_then_else(live, SKIP_ALL, 0))
+                else:                   # skip_e: the chunks before the window, none (fallback), all (not inner)
+                    chunks[p, kh * G + tx] = T.if_then_else(reach, L_ - 1 - hit[0], T.if_then_else(live, 0, SKIP_ALL))
+                    skip_m[p, kh * G + tx] = T.if_then_else(fb, 0, SKIP_ALL)
 
     return cp_windows_kernel
 
@@ -150,36 +168,41 @@ def unsupported(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch
     return None
 
 
-def builder_args(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype, keys_normalized: bool) -> tuple:
+def builder_args(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype, keys_normalized: bool,
+                 backward: bool = False) -> tuple:
     """The `build` arguments (its compile-cache key)."""
-    return (H, HV, K, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], bool(keys_normalized))
+    return (H, HV, K, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], bool(keys_normalized), bool(backward))
 
 
 def launcher_builds(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                    keys_normalized: tuple = (False, True)) -> list:
-    """(label, builder, args) of the forward windows kernel for each `keys_normalized` (none where unsupported)."""
+                    keys_normalized: tuple = (False, True), backward: tuple = (False,)) -> list:
+    """(label, builder, args) of the windows kernel for each `keys_normalized` and direction (`backward`: the
+    backward's, `cp.grad_windows`); none where it does not take the heads or dtypes."""
     if unsupported(H, HV, K, dtype, beta_dtype) is not None:
         return []
-    return [(f"cp_windows {H}/{HV} K={K}{' normalized' if n else ''}", build,
-             builder_args(H, HV, K, dtype, beta_dtype, n)) for n in keys_normalized]
+    return [(f"cp_windows{' bwd' if b else ''} {H}/{HV} K={K}{' normalized' if n else ''}", build,
+             builder_args(H, HV, K, dtype, beta_dtype, n, b)) for b in backward for n in keys_normalized]
 
 
 def windows_tensors(g_cumsum: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, cu: torch.Tensor,
-                    first: torch.Tensor, L: int, threshold: float, limit: float, keys_normalized: bool) -> tuple:
-    """``(skip_e, skip_m, fallback, suffix)`` of `cp.windows` on the warm-up path: g_cumsum ``[1, T, HV]`` fp32, k
-    ``[1, T, H, K]``, beta ``[1, T, HV]``, the plan's ``cu [P + 1]`` int32 and ``first [P]`` bool, all on the GPU,
-    T >= 1; `limit` the contraction bound as the comparison takes it (`cp.windows`). One launch, no host
-    synchronisation."""
+                    first: torch.Tensor, L: int, threshold: float, limit: float, keys_normalized: bool,
+                    backward: bool = False) -> tuple:
+    """`cp.windows` on the warm-up path as ``(skip_e, skip_m, fallback, suffix)``, or with `backward`
+    `cp.grad_windows` as ``(take, fallback, prefix)``: g_cumsum ``[1, T, HV]`` fp32, k ``[1, T, H, K]``, beta
+    ``[1, T, HV]``, the plan's ``cu [P + 1]`` int32 and ``first [P]`` bool, all on the GPU, T >= 1; `limit` the
+    contraction bound as the comparison takes it (`cp.windows`). One launch, no host synchronisation."""
     _, T_, HV = g_cumsum.shape
     H, K = k.shape[2], k.shape[3]
     P = cu.shape[0] - 1
     assert T_ >= 1 and P >= 1 and L >= 1 and unsupported(H, HV, K, k.dtype, beta.dtype) is None
     dev = g_cumsum.device
-    skip_e = torch.empty(P, HV, dtype=torch.int32, device=dev)
-    skip_m = torch.empty(P, HV, dtype=torch.int32, device=dev)
+    chunks = torch.empty(P, HV, dtype=torch.int32, device=dev)
+    skip_m = torch.empty((1,) if backward else (P, HV), dtype=torch.int32, device=dev)
     fallback = torch.empty(P, HV, dtype=torch.uint8, device=dev)
-    suffix = torch.empty(P, L, HV, dtype=torch.float64, device=dev)
-    kernel = build(*builder_args(H, HV, K, k.dtype, beta.dtype, keys_normalized))
+    sums = torch.empty(P, L, HV, dtype=torch.float64, device=dev)
+    kernel = build(*builder_args(H, HV, K, k.dtype, beta.dtype, keys_normalized, backward))
     kernel(g_cumsum[0].contiguous(), k[0].contiguous(), beta[0].contiguous(), cu.contiguous(),
-           first.contiguous().view(torch.uint8), skip_e, skip_m, fallback, suffix, float(threshold), float(limit))
-    return skip_e, skip_m, fallback.view(torch.bool), suffix
+           first.contiguous().view(torch.uint8), chunks, skip_m, fallback, sums, float(threshold), float(limit))
+    if backward:
+        return chunks, fallback.view(torch.bool), sums
+    return chunks, skip_m, fallback.view(torch.bool), sums

@@ -10,7 +10,8 @@ the serial backward) and against CP off; the automatic choice splitting the back
 gradients there: the warm-up would shorten no wave); one CUDA graph of forward + backward with CP replayed with new
 lengths. The backward's warm-up (`FLASHDELTA_CP_WARMUP=1`): chunk_dstate's `chunk_take` builds against the float64
 twin, the backward's windows on the GPU against the reference's, every gradient with it on vs the exact path vs serial
-vs float64 on benchmark gates, and one graph of forward + backward with it replayed with new lengths and gates.
+vs float64 on benchmark gates, and one graph of forward + backward with it replayed with new lengths and gates. The
+windows kernel (`kernels.cp_windows`, both directions) against the torch windows, bit for bit, on edge cases.
 
 Builds: `builds()` lists every kernel these tests launch (CP's own, `cp.builds`, and the serial passes they are
 compared with, `flashdelta.precompile.variants`); compile them on the CPU machine with
@@ -49,7 +50,7 @@ def builds() -> list:
     from flashdelta.kernels import cp_windows
 
     for n, (_, _, H, HV, K, dtype, beta_dtype, _) in enumerate(WINDOWS_KERNEL_CASES):
-        for label, b, a in cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype):
+        for label, b, a in cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype, backward=(False, True)):
             out.setdefault((b.__name__, a), (f"windows kernel {n}: {label}", b, a))
     return list(out.values())
 
@@ -147,7 +148,9 @@ def _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L):
     """g_cumsum (head 0 never decays, head 1 decays by ~20 per chunk, the others by 0.5-4), l2-normalised keys,
     beta in [0, 1], then violations in the last sequence's inner partitions: beta x ||k||^2 > 2 through the key (key
     head 0, its first partition), beta > 2 (head 2, the same), beta < 0 (head 3 % HV, its second), NaN beta (the
-    last head, its third partition's last token), and violations in sequences' last partitions (ignored)."""
+    last head, its third partition's last token), and violations in sequences' last partitions (the forward ignores
+    them, the backward checks the ragged last one of the last sequence), on the token after sequence 0 and on the
+    padding (past every partition's end: never checked)."""
     gen = torch.Generator().manual_seed(11)
     lengths = (*before, 4 * 64 * L + 100)
     N, T = len(lengths), sum(lengths) + pad
@@ -167,6 +170,8 @@ def _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L):
     assert s + 4 * W < int(cu[N])
     beta[int(cu[N]) - 1, :] = 5.0                     # the last partition of the last sequence: not checked
     beta[int(cu[1]) - 1, 1 % HV] = -1.0               # sequence 0's last token (its last partition)
+    beta[min(int(cu[1]), T - 1), 2 % HV] = -1.0        # the token after sequence 0 (another partition's)
+    beta[int(cu[N]):, :] = -3.0                       # padding tokens: no partition's
     return g.cuda(), k[None].cuda(), beta.to(beta_dtype)[None].cuda(), cu.cuda(), T
 
 
@@ -219,6 +224,56 @@ def test_windows_kernel_matches_the_torch_windows(i, normalized):
         assert bool(fb[s, :G].all()), "the long key falls back its key head's value heads"
     exact = cp.windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
     assert exact.suffix is None and torch.equal(exact.fallback.cpu(), inner[:, None].expand(plan.P, HV))
+
+
+def _sequential_prefix(g_cumsum, plan):
+    """`GradWindows.prefix` by an explicit loop on the CPU: chunk j's last gate in the partition (the token clamped
+    to [0, T - 1]), 0 for chunks past its end, added one float64 addition after the other from 0."""
+    g = g_cumsum[0].cpu().double()
+    T = g.shape[0]
+    cu = plan.cu.cpu().to(torch.int64)
+    bos, eos = cu[:-1], cu[1:]
+    out = torch.empty(plan.P, plan.L, g.shape[1], dtype=torch.float64)
+    run = torch.zeros(plan.P, g.shape[1], dtype=torch.float64)
+    for j in range(plan.L):
+        start = bos + 64 * j
+        last = torch.clamp(torch.minimum(start + 63, eos - 1), 0, T - 1)
+        run = run + torch.where((start < eos)[:, None], g[last], 0.0)
+        out[:, j] = run
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(WINDOWS_KERNEL_CASES)))
+@pytest.mark.parametrize("normalized", [False, True])
+def test_grad_windows_kernel_matches_the_torch_grad_windows(i, normalized):
+    """The backward's windows kernel (`kernels.cp_windows`, `backward`) gives `cp.grad_windows`'s torch decision bit
+    for bit (take, fallback on every slot), and prefix sums equal to an explicit sequential float64 sum; a
+    sequence's first partition never decides, the ragged last one does over its own tokens only."""
+    from flashdelta.kernels import sm90
+
+    before, pad, H, HV, K, dtype, beta_dtype, L = WINDOWS_KERNEL_CASES[i]
+    g_cumsum, k, beta, cu, T = _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L)
+    plan = cp.make_plan(cu, T, L, kset=sm90.KERNELS)
+    thr = cp.WARMUP_THRESHOLD
+    got = cp.grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized, kset=sm90.KERNELS)
+    want = cp.grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized)
+    torch.cuda.synchronize()
+    for name in ("take", "fallback"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    assert got.threshold == want.threshold and got.prefix.dtype == torch.float64
+    ref = _sequential_prefix(g_cumsum, plan)
+    assert torch.equal(got.prefix.cpu(), ref), "prefix: the sequential float64 sum"
+    print(f"case {i}: torch's cumsum equals the sequential sum: {torch.equal(want.prefix.cpu(), ref)}")
+    assert torch.equal(got.n(plan), want.n(plan))
+    cont = ~plan.first.cpu()
+    fb = got.fallback.cpu()
+    assert bool(fb[cont, 0].all()) and not bool(fb[~cont].any())
+    assert bool(((got.take.cpu() < cp.TAKE_ALL) & ~fb)[cont].any()), "the case must truncate"
+    s = int(plan.last_index[-2]) + 1 if before else 0                                 # the last sequence's first slot
+    assert bool(fb[s + 1, 3 % HV]) and bool(fb[s + 2, HV - 1]) and bool(fb[s + 4].all())
+    exact = cp.grad_windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
+    assert exact.prefix is None and torch.equal(exact.fallback.cpu(), cont[:, None].expand(plan.P, HV))
 
 
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)

@@ -5,7 +5,7 @@ Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf1
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
   over the partitions (the output pass), the summary passes as CP launches them (E and M with `states_only`, M with
   `zero_values`), the plan (the kernel and the torch ops), the torch and the kernel scans, the warm-up's decision
-  (`cp.windows`) and its E pass (the windows) and M pass (the fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
+  (`cp.windows`: the SM90 path's windows kernel and the torch ops) and its E pass (the windows) and M pass (the fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
   (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
@@ -22,7 +22,7 @@ given, fp32 beta):
 
 - per case: the stages whose cost depends on the split, alone: `chunk_bwd` over whole sequences and over the
   partitions of each L (random states and end gradients), `state_recompute` the same, `chunk_dstate` over the
-  partitions, the backward warm-up's decision (`cp.grad_windows`) and its F pass (`chunk_dstate` with the windows'
+  partitions, the backward warm-up's decision (`cp.grad_windows`: the kernel and the torch ops) and its F pass (`chunk_dstate` with the windows'
   `chunk_take`) beside the model's ``start``; and forward + backward
   (`torch.autograd.grad` of o and the final state) through the public API with CP off and with the automatic
   choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`), the
@@ -246,7 +246,10 @@ def main():
                 steps[f"scan_kernel_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_states(M, E, plan, h0, "kernel")
                 steps[f"scan_log_L{L}"] = lambda plan=plan, M=M, E=E: cp.scan_log(M, E, plan, h0)
                 # the warm-up: its decision alone, and the M and E passes over the fallback heads and the windows
-                steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
+                steps[f"windows_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD,
+                                                                      kset=sm90.KERNELS))
+                steps[f"windows_torch_L{L}"] = (lambda plan=plan: cp.windows(g_cumsum, k, beta, plan,
+                                                                            cp.WARMUP_THRESHOLD))
                 steps[f"pass_e_warm_L{L}"] = (lambda plan=plan, win=win: fused_fwd.chunk_fwd(
                     q, k, v, g_cumsum, beta, A, None, plan.cu, scale=inp.scale, chunk_skip=win.skip_e,
                     states_only=True))
@@ -293,7 +296,8 @@ def main():
                       f"M {us.get(f'pass_m_states_L{L}', float('nan')):.1f}; "
                       f"plan kernel {us.get(f'plan_kernel_L{L}', float('nan')):.1f} torch "
                       f"{us.get(f'plan_torch_L{L}', float('nan')):.1f}")
-                print(f"  L{L}: windows {us.get(f'windows_L{L}', float('nan')):.1f} us (model {p['warmup_us']:.1f}), "
+                print(f"  L{L}: windows kernel {us.get(f'windows_L{L}', float('nan')):.1f} us, torch "
+                      f"{us.get(f'windows_torch_L{L}', float('nan')):.1f} (model {p['warmup_us']:.1f}), "
                       f"fallback share {fb:.2f} (model {cp_model.WARMUP_FALLBACK}), mean window "
                       f"{win.n(L)[~win.fallback & (win.n(L) > 0)].float().mean().item():.2f} chunks (model "
                       f"{cp_model.WARMUP_CHUNKS}); E pass {us.get(f'pass_e_warm_L{L}', float('nan')):.1f} (model "
@@ -381,7 +385,7 @@ def bwd_main(args):
     from flashdelta import autograd as fda
     from flashdelta import chunk_gated_delta_rule, cp, cp_model
     from flashdelta.kernels import chunk_bwd as kbwd
-    from flashdelta.kernels import chunk_dstate, fused_fwd, prepare
+    from flashdelta.kernels import chunk_dstate, fused_fwd, prepare, sm90
 
     dev = torch.device("cuda")
     sms = cp.num_sms(dev)
@@ -438,6 +442,8 @@ def bwd_main(args):
                 steps[f"dstate_L{L}"] = (lambda plan=plan: chunk_dstate.chunk_dstate(
                     q, k, g_cumsum, beta, A, do, plan.cu, scale=scale))
                 steps[f"grad_windows_L{L}"] = (lambda plan=plan: cp.grad_windows(
+                    g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD, kset=sm90.KERNELS))
+                steps[f"grad_windows_torch_L{L}"] = (lambda plan=plan: cp.grad_windows(
                     g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD))
                 steps[f"dstate_warm_L{L}"] = (lambda plan=plan, gwin=gwin: chunk_dstate.chunk_dstate(
                     q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=gwin.take))
@@ -476,7 +482,8 @@ def bwd_main(args):
                 share = gwin.fallback[cont].float().mean().item()
                 window = n[cont[:, None] & ~gwin.fallback].float().mean().item()
                 m_exact, m_warm, runs = _start_models(seqlens, HV, L, sms)
-                print(f"  L{L}: grad windows {us.get(f'grad_windows_L{L}', float('nan')):.1f} us (model "
+                print(f"  L{L}: grad windows kernel {us.get(f'grad_windows_L{L}', float('nan')):.1f} us, torch "
+                      f"{us.get(f'grad_windows_torch_L{L}', float('nan')):.1f} (model "
                       f"{cp_model.WARMUP_BWD_US}), fallback share {share:.2f} (model {cp_model.WARMUP_FALLBACK}), "
                       f"mean window {window:.2f} chunks (model {cp_model.WARMUP_CHUNKS}); F pass exact "
                       f"{us.get(f'dstate_L{L}', float('nan')):.1f} (model {m_exact:.1f}) warm-up "

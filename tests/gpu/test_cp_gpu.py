@@ -148,7 +148,8 @@ def _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L):
     """g_cumsum (head 0 never decays, head 1 decays by ~20 per chunk, the others by 0.5-4), l2-normalised keys,
     beta in [0, 1], then violations in the last sequence's inner partitions: beta x ||k||^2 > 2 through the key (key
     head 0, its first partition), beta > 2 (head 2, the same), beta < 0 (head 3 % HV, its second), NaN beta (the
-    last head, its third partition's last token), and violations in sequences' last partitions (the forward ignores
+    last head, its third partition's last token), beta at the keys_normalized bound and one ulp above it (head 1, the
+    third and fourth partitions), and violations in sequences' last partitions (the forward ignores
     them, the backward checks the ragged last one of the last sequence), on the token after sequence 0 and on the
     padding (past every partition's end: never checked)."""
     gen = torch.Generator().manual_seed(11)
@@ -168,6 +169,14 @@ def _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L):
     beta[s + W + 100, 3 % HV] = -0.25
     beta[s + 3 * W - 1, HV - 1] = float("nan")
     assert s + 4 * W < int(cu[N])
+    # with keys_normalized beta meets the bound rounded to its dtype: exactly at it passes, one ulp above fails (the
+    # keys there are short, so beta x ||k||^2 ~ 0.5 passes without keys_normalized)
+    at = float(torch.tensor(cp.CONTRACTION_LIMIT / cp.NORMALIZED_KEY_NORM2, dtype=beta_dtype))
+    kh = (1 % HV) // (HV // H)
+    k[s + 2 * W + 10, kh] *= 0.5
+    k[s + 3 * W + 10, kh] *= 0.5
+    beta[s + 2 * W + 10, 1 % HV] = at
+    beta[s + 3 * W + 10, 1 % HV] = at + torch.finfo(beta_dtype).eps
     beta[int(cu[N]) - 1, :] = 5.0                     # the last partition of the last sequence: not checked
     beta[int(cu[1]) - 1, 1 % HV] = -1.0               # sequence 0's last token (its last partition)
     beta[min(int(cu[1]), T - 1), 2 % HV] = -1.0        # the token after sequence 0 (another partition's)
@@ -222,6 +231,7 @@ def test_windows_kernel_matches_the_torch_windows(i, normalized):
     assert bool(fb[s, 2 % HV]) and bool(fb[s + 1, 3 % HV]) and bool(fb[s + 2, HV - 1])
     if not normalized:
         assert bool(fb[s, :G].all()), "the long key falls back its key head's value heads"
+    assert not bool(fb[s + 2, 1 % HV]) and bool(fb[s + 3, 1 % HV]) == normalized, "the bound in beta's dtype"
     exact = cp.windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
     assert exact.suffix is None and torch.equal(exact.fallback.cpu(), inner[:, None].expand(plan.P, HV))
 
@@ -272,6 +282,7 @@ def test_grad_windows_kernel_matches_the_torch_grad_windows(i, normalized):
     assert bool(((got.take.cpu() < cp.TAKE_ALL) & ~fb)[cont].any()), "the case must truncate"
     s = int(plan.last_index[-2]) + 1 if before else 0                                 # the last sequence's first slot
     assert bool(fb[s + 1, 3 % HV]) and bool(fb[s + 2, HV - 1]) and bool(fb[s + 4].all())
+    assert not bool(fb[s + 2, 1 % HV]) and bool(fb[s + 3, 1 % HV]) == normalized, "the bound in beta's dtype"
     exact = cp.grad_windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
     assert exact.prefix is None and torch.equal(exact.fallback.cpu(), cont[:, None].expand(plan.P, HV))
 

@@ -5,7 +5,8 @@ Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf1
 - per case: the serial fused pass (`chunk_fwd` over whole sequences), and per partition length L the fused pass
   over the partitions (the output pass), the summary passes as CP launches them (E and M with `states_only`, M with
   `zero_values`), the plan (the kernel and the torch ops), the torch and the kernel scans, the warm-up's decision
-  (`cp.windows`: the SM90 path's windows kernel and the torch ops) and its E pass (the windows) and M pass (the fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
+  (`cp.windows`: the SM90 path's windows kernel and the torch ops) and its E pass (the windows) and M pass (the
+  fallback heads) beside the model's `m` / `e`, and the whole forward through the public API with CP off, with
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
   (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
@@ -22,8 +23,8 @@ given, fp32 beta):
 
 - per case: the stages whose cost depends on the split, alone: `chunk_bwd` over whole sequences and over the
   partitions of each L (random states and end gradients), `state_recompute` the same, `chunk_dstate` over the
-  partitions, the backward warm-up's decision (`cp.grad_windows`: the kernel and the torch ops) and its F pass (`chunk_dstate` with the windows'
-  `chunk_take`) beside the model's ``start``; and forward + backward
+  partitions, the backward warm-up's decision (`cp.grad_windows`: the kernel and the torch ops) and its F pass
+  (`chunk_dstate` with the windows' `chunk_take`) beside the model's ``start``; and forward + backward
   (`torch.autograd.grad` of o and the final state) through the public API with CP off and with the automatic
   choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`), the
   warm-up as `auto` decides, off (``FLASHDELTA_CP_WARMUP=0``) and on (``=1``, both passes);

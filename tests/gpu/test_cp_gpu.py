@@ -198,25 +198,36 @@ def _sequential_suffix(g_cumsum, plan):
     return out
 
 
-@pytest.mark.parametrize("i", range(len(WINDOWS_KERNEL_CASES)))
-@pytest.mark.parametrize("normalized", [False, True])
-def test_windows_kernel_matches_the_torch_windows(i, normalized):
-    """`kernels.cp_windows` (the SM90 path of `cp.windows` on the warm-up path) gives the torch ops' decision bit
-    for bit (skip_e, skip_m, fallback on every slot), and suffix sums equal to an explicit sequential float64 sum;
-    the violations reach exactly the heads and partitions they should; the exact path (no threshold) is unchanged."""
+def _kernel_and_torch(decide, i, normalized, fields):
+    """`decide` (`cp.windows` or `cp.grad_windows`) of case i with the SM90 kernel set (the kernel) and without
+    (the torch ops) on the kernel's plan, `fields` compared bit for bit: ``(kernel's, torch's, plan, g_cumsum, the
+    kernel set's exact path)``."""
     from flashdelta.kernels import sm90
 
     before, pad, H, HV, K, dtype, beta_dtype, L = WINDOWS_KERNEL_CASES[i]
     g_cumsum, k, beta, cu, T = _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L)
     plan = cp.make_plan(cu, T, L, kset=sm90.KERNELS)
     thr = cp.WARMUP_THRESHOLD
-    got = cp.windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized, kset=sm90.KERNELS)
-    want = cp.windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized)
+    got = decide(g_cumsum, k, beta, plan, thr, keys_normalized=normalized, kset=sm90.KERNELS)
+    want = decide(g_cumsum, k, beta, plan, thr, keys_normalized=normalized)
     torch.cuda.synchronize()
-    for name in ("skip_e", "skip_m", "fallback"):
+    for name in fields:
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    assert got.threshold == want.threshold and got.suffix.dtype == torch.float64
+    assert got.threshold == want.threshold
+    exact = decide(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
+    return got, want, plan, g_cumsum, exact
+
+
+@pytest.mark.parametrize("i", range(len(WINDOWS_KERNEL_CASES)))
+@pytest.mark.parametrize("normalized", [False, True])
+def test_windows_kernel_matches_the_torch_windows(i, normalized):
+    """`kernels.cp_windows` (the SM90 path of `cp.windows` on the warm-up path) gives the torch ops' decision bit
+    for bit (skip_e, skip_m, fallback on every slot), and suffix sums equal to an explicit sequential float64 sum;
+    the violations reach exactly the heads and partitions they should; the exact path (no threshold) is unchanged."""
+    got, want, plan, g_cumsum, exact = _kernel_and_torch(cp.windows, i, normalized, ("skip_e", "skip_m", "fallback"))
+    before, _, H, HV, *_, L = WINDOWS_KERNEL_CASES[i]
+    assert got.suffix.dtype == torch.float64
     ref = _sequential_suffix(g_cumsum, plan)
     assert torch.equal(got.suffix.cpu(), ref), "suffix: the sequential float64 sum"
     print(f"case {i}: torch's cumsum equals the sequential sum: {torch.equal(want.suffix.cpu(), ref)}")
@@ -232,7 +243,6 @@ def test_windows_kernel_matches_the_torch_windows(i, normalized):
     if not normalized:
         assert bool(fb[s, :G].all()), "the long key falls back its key head's value heads"
     assert not bool(fb[s + 2, 1 % HV]) and bool(fb[s + 3, 1 % HV]) == normalized, "the bound in beta's dtype"
-    exact = cp.windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
     assert exact.suffix is None and torch.equal(exact.fallback.cpu(), inner[:, None].expand(plan.P, HV))
 
 
@@ -259,19 +269,9 @@ def test_grad_windows_kernel_matches_the_torch_grad_windows(i, normalized):
     """The backward's windows kernel (`kernels.cp_windows`, `backward`) gives `cp.grad_windows`'s torch decision bit
     for bit (take, fallback on every slot), and prefix sums equal to an explicit sequential float64 sum; a
     sequence's first partition never decides, the ragged last one does over its own tokens only."""
-    from flashdelta.kernels import sm90
-
-    before, pad, H, HV, K, dtype, beta_dtype, L = WINDOWS_KERNEL_CASES[i]
-    g_cumsum, k, beta, cu, T = _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L)
-    plan = cp.make_plan(cu, T, L, kset=sm90.KERNELS)
-    thr = cp.WARMUP_THRESHOLD
-    got = cp.grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized, kset=sm90.KERNELS)
-    want = cp.grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=normalized)
-    torch.cuda.synchronize()
-    for name in ("take", "fallback"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    assert got.threshold == want.threshold and got.prefix.dtype == torch.float64
+    got, want, plan, g_cumsum, exact = _kernel_and_torch(cp.grad_windows, i, normalized, ("take", "fallback"))
+    before, _, H, HV, *_, L = WINDOWS_KERNEL_CASES[i]
+    assert got.prefix.dtype == torch.float64
     ref = _sequential_prefix(g_cumsum, plan)
     assert torch.equal(got.prefix.cpu(), ref), "prefix: the sequential float64 sum"
     print(f"case {i}: torch's cumsum equals the sequential sum: {torch.equal(want.prefix.cpu(), ref)}")
@@ -283,7 +283,6 @@ def test_grad_windows_kernel_matches_the_torch_grad_windows(i, normalized):
     s = int(plan.last_index[-2]) + 1 if before else 0                                 # the last sequence's first slot
     assert bool(fb[s + 1, 3 % HV]) and bool(fb[s + 2, HV - 1]) and bool(fb[s + 4].all())
     assert not bool(fb[s + 2, 1 % HV]) and bool(fb[s + 3, 1 % HV]) == normalized, "the bound in beta's dtype"
-    exact = cp.grad_windows(g_cumsum, k, beta, plan, None, keys_normalized=normalized, kset=sm90.KERNELS)
     assert exact.prefix is None and torch.equal(exact.fallback.cpu(), cont[:, None].expand(plan.P, HV))
 
 

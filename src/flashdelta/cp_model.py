@@ -38,9 +38,9 @@ SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, f
 SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
 # the M and E passes run states-only builds (no Q K^T, Pg, O^T, q loads or o stores: `chunk_fwd(states_only=True)`):
-# their per-chunk time over the full pass's; a prediction (two of the state warpgroup's four GEMMs, the prep
-# warpgroup's Q K^T and Pg pass and the store warp's work go) until bench/dev/fit_cp.py measures it
-SUMMARY_CHUNK_FACTOR = 0.75
+# their per-chunk time over the full pass's, measured on the H200 by bench/dev/fit_cp.py (2/8 and 4/16 1x32768,
+# L = 32 and 64: 0.88-0.89; bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt)
+SUMMARY_CHUNK_FACTOR = 0.89
 MARGIN = 0.9                    # split only where the predicted CP time is below MARGIN x the serial time
 # with the warm-up the expected CP time assumes this share of the value heads falls back to the exact path (whole
 # partitions in the M and E passes: the benchmark gates' g = 0 heads) and the rest needs WARMUP_CHUNKS chunks (-3.2
@@ -48,12 +48,11 @@ MARGIN = 0.9                    # split only where the predicted CP time is belo
 # head falls back (`cp_worst`, the exact path's time): the decision knows no gate before the call
 WARMUP_FALLBACK = 0.25
 WARMUP_CHUNKS = 4
-# the warm-up's cost beyond its shortened M and E passes: the windows' ~25 small kernels (`cp.windows`) and what
-# the passes' model misses. Fitted to 2/8 1x32768 on the H200 (bench/results/h200/2026-12-01_8beb66e_fwd_cp_rows.csv):
-# the warm-up at L = 32 measured 534 us against the exact path's 436 at L = 64, where the passes' model gives 301
-# and 341 (the exact path's 95 us beyond its model, prepare and the small kernels, taken to be the same for both).
-# With it `auto` keeps 2/8 and 4/16 1x32768 exact (4/16: 776 us with the warm-up at L = 64 against 748 serial).
-WARMUP_US = 175.0
+# the warm-up's cost beyond its shortened M and E passes: its decision, one launch of `kernels.cp_windows` on the
+# SM90 path. Fitted on the H200 by bench/dev/fit_cp.py (the kernel 24-43 us at 2/8 and 4/16 1x32768, L = 32 and 64,
+# against the torch windows' 148-202; bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt). There 4/16 1x32768
+# ran 515 us with the warm-up at L = 32 against 619 exact at L = 128 and 748 serial.
+WARMUP_US = 33.4
 # the backward's windows (`cp.grad_windows`: ~28 small kernels, the validity masks of a ragged last partition
 # included) and the zeroing of the warm-up heads' M, at ~1.4 us a small kernel in a CUDA graph (a prediction;
 # fit_cp.py --bwd times them)

@@ -18,7 +18,7 @@ import torch
 
 from . import cp
 from .gates import beta_act_code
-from .kernels import _tl, fused_fwd, sm90
+from .kernels import _tl, cp_windows, fused_fwd, sm90
 
 # the longest single sequence (tokens) `variants` asks the CP cost models about: a split that pays for no sequence
 # up to this long gets no builds under auto
@@ -98,6 +98,7 @@ def _cp_builds(H: int, HV: int, K: int, V: int, dtype, beta_dtype, scale: float,
                                          chunk_skip=(True,), states_only=True)
     fwd_only += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
                                           chunk_skip=(True,), zero_values=True, states_only=True)
+    fwd_only += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)      # the forward's warm-up decision
     skip = {(b.__name__, args) for _, b, args in fwd_only}
     return [x for x in todo if (x[1].__name__, x[2]) not in skip]
 

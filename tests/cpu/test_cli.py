@@ -299,9 +299,9 @@ def test_warmup_function_rejects_bad_options(kwargs, exc, msg):
 
 def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
     """Context parallelism's builds (`cp.builds`) where a call may split: under auto for the heads whose cost model
-    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip and windows builds), for
-    every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a call; with
-    the beta sigmoid CP's builds read fp32 beta."""
+    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip and windows
+    builds), for every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a
+    call; with the beta sigmoid CP's builds read fp32 beta."""
     pytest.importorskip("tilelang")
     from flashdelta import cp
     from flashdelta.kernels import cp_windows, fused_fwd

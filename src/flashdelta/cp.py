@@ -165,6 +165,12 @@ def _native(kset, device: torch.device) -> bool:
     return device.type == "cuda" and kset.name != "torch"
 
 
+def _sm90(x: Tensor, kset) -> bool:
+    """Whether CP's own TileLang kernels (the plan, the scan, the warm-up windows) may take a call whose pass runs on
+    `kset`: `x` on the GPU and the SM90 kernel set."""
+    return x.is_cuda and kset is not None and kset.name == "sm90"
+
+
 def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int, V: int,
            varlen: bool, N: int, lengths=None, traced: bool = False) -> int:
     """The CP code for one call, both passes: ``encode(L_fwd, L_bwd)`` (0: serial), or, where `traced`
@@ -269,7 +275,7 @@ def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = No
     N = cu_seqlens.shape[0] - 1
     W = L * BT
     P, J = bounds(T, N, L, seq_len)
-    if cu_seqlens.is_cuda and N >= 1 and kset is not None and kset.name == "sm90":
+    if N >= 1 and _sm90(cu_seqlens, kset):
         from .kernels import cp_plan  # noqa: PLC0415 - TileLang only where the kernel runs
 
         part_cu, seq, pos, first, last_index, step_index, scan_cu = cp_plan.plan_tensors(
@@ -370,8 +376,7 @@ def _kernel_scan(x: Tensor, kset) -> bool:
     """Whether the TileLang scan (`kernels.cp_scan`) runs a scan over `x` ``[P, HV, K, V]`` for a call whose
     chunk_fwd runs on `kset`: fp32, the SM90 kernel set, head dims it takes. Elsewhere (the portable path, CPU,
     float64) the torch scans run."""
-    return (x.is_cuda and x.dtype == torch.float32 and kset is not None and kset.name == "sm90"
-            and _kernel_dims(x.shape[2], x.shape[3]))
+    return x.dtype == torch.float32 and _sm90(x, kset) and _kernel_dims(x.shape[2], x.shape[3])
 
 
 def _part_cu(plan: CPPlan) -> Tensor:
@@ -450,7 +455,7 @@ def _kernel_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, kset) -> bool:
     """Whether the TileLang windows kernel (`kernels.cp_windows`) takes a warm-up decision (`windows`,
     `grad_windows`) for a call whose pass runs on `kset`: CUDA tensors on the SM90 kernel set, fp32 gates, the heads
     and dtypes it takes. Elsewhere (the portable path, CPU) the torch ops run."""
-    if not (g_cumsum.is_cuda and kset is not None and kset.name == "sm90" and g_cumsum.dtype == torch.float32):
+    if not (g_cumsum.dtype == torch.float32 and _sm90(g_cumsum, kset)):
         return False
     from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
 

@@ -217,8 +217,11 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                                state_v_first=state_v_first)
         dq, dk, dv, dbeta, dG, dh0 = ks.chunk_bwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, h, _flat(do), dht, cu,
                                                   scale=scale, state_v_first=state_v_first)
+        del h
+    del A, g_cumsum     # chunk_bwd's inputs go before the group sums allocate (the backward's peak memory)
     group_sum = plan.fn("group_sum")
-    dq, dk = group_sum(dq, H), group_sum(dk, H)
+    dq = group_sum(dq, H)           # one at a time: dq per value head is freed before dk's sum allocates
+    dk = group_sum(dk, H)
     dg = plan.fn("prepare_bwd")(dG, cu)
     dA_log, ddt_bias = _param_grads(q, A_log, dt_bias)
     if A_log is not None:       # the in-kernel gate's backward (docs/stages.md "The activations' backward")

@@ -794,6 +794,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         M.masked_fill_(~win.fallback[:, :, None, None], 0)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
+    del M, E, H, Fp                                               # only dS goes on: less memory under chunk_bwd
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
                                                 state_v_first=False)
     first = torch.cat([plan.last_index[:1] * 0, plan.last_index[:-1] + 1])   # each sequence's first partition

@@ -396,8 +396,10 @@ def _backward(q, k, v, g, beta, h0, M_r, do, dfinal, sl: CPSlice, scale: float, 
         h = bks.state_recompute(kf, vf, g_cumsum, b, A, _param(h0, bks), cu, state_v_first=False)
         dq, dk, dv, dbeta, dG, dh0 = bks.chunk_bwd(qf, kf, vf, g_cumsum, b, A, h, dof, dht, cu, scale=scale,
                                                    state_v_first=False)
+    del h, A, g_cumsum  # chunk_bwd's inputs go before the group sums allocate (the backward's peak memory)
     group_sum = plan.fn("group_sum")
-    dq, dk = group_sum(dq, H), group_sum(dk, H)
+    dq = group_sum(dq, H)           # one at a time: dq per value head is freed before dk's sum allocates
+    dk = group_sum(dk, H)
     dg = plan.fn("prepare_bwd")(dG, cu)
     if l2norm:
         dq, dk = l2norm_bwd(qf, rq, dq), l2norm_bwd(kf, rk, dk)

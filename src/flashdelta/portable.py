@@ -470,13 +470,13 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
 
 
 def group_sum(dx, H, *, compute_dtype=None, operand_dtype=None):
-    """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head (accumulated in at
-    least compute_dtype, returned in dx.dtype)."""
+    """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head, accumulated and returned in
+    at least compute_dtype (a native chunk_bwd's bf16 input comes back fp32)."""
     B, T, HV, D = dx.shape
     if HV % H != 0:
         raise ValueError(f"H={H} must divide HV={HV}")
     acc = torch.promote_types(dx.dtype, _resolve(compute_dtype, None, dx))
-    return dx.to(acc).reshape(B, T, H, HV // H, D).sum(3).to(dx.dtype)
+    return dx.to(acc).reshape(B, T, H, HV // H, D).sum(3)
 
 
 def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):

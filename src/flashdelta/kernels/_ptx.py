@@ -133,13 +133,13 @@ __device__ __forceinline__ void fd_store_dvt(const float* x, void* dst, int pitc
 STORE_DVT = {"bfloat16": "fd_store_dvt<false>", "float16": "fd_store_dvt<true>"}
 
 # chunk_bwd: rows [0, rows) of one warpgroup's [64, N] fp32 wgmma accumulator (register 4 n + 2 h + e holds row
-# 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e) to dst[row * pitch + column] as float2 stores (dst: the
-# chunk's first row; a warpgroup of a multi-warpgroup product passes its own first column); one 64-bit base, 32-bit
-# offsets.
+# 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e) to dst[row * pitch + column], each pair of columns as one
+# store: float2 (`fd_store_acc<N, 0>`), or rounded to bf16x2 (`<N, 1>`) or f16x2 (`<N, 2>`) with cvt.rn (dst: the
+# chunk's first row; a warpgroup of a multi-warpgroup product passes its own first column); one 64-bit base,
+# 32-bit offsets.
 STORE_ACC_PRELUDE = r"""
-template <int N>
-__device__ __forceinline__ void fd_store_acc_f32(const float* x, void* dst, int pitch, int rows, int tx) {
-  float* const d = static_cast<float*>(dst);
+template <int N, int kOut>
+__device__ __forceinline__ void fd_store_acc(const float* x, void* dst, int pitch, int rows, int tx) {
   const int lane = tx & 31, r0 = 16 * ((tx >> 5) & 3) + (lane >> 2), c0 = 2 * (lane & 3);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -147,12 +147,25 @@ __device__ __forceinline__ void fd_store_acc_f32(const float* x, void* dst, int 
     if (r < rows) {
       #pragma unroll
       for (int n = 0; n < N / 8; ++n) {
-        *reinterpret_cast<float2*>(d + r * pitch + 8 * n + c0) = make_float2(x[4 * n + 2 * h], x[4 * n + 2 * h + 1]);
+        const float a = x[4 * n + 2 * h], b = x[4 * n + 2 * h + 1];
+        const int o = r * pitch + 8 * n + c0;
+        if constexpr (kOut == 0) {
+          *reinterpret_cast<float2*>(static_cast<float*>(dst) + o) = make_float2(a, b);
+        } else {
+          unsigned p;
+          if constexpr (kOut == 1) {
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
+          } else {
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
+          }
+          *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(dst) + o) = p;
+        }
       }
     }
   }
 }
 """
+STORE_ACC = {"float32": 0, "bfloat16": 1, "float16": 2}     # fd_store_acc's kOut per destination dtype
 
 # fused_fwd: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and

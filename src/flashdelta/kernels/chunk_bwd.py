@@ -46,8 +46,9 @@ to shared memory and the parts are added in warpgroup order, `_ptx.ROWSUM_PRELUD
 per-warp shuffles (`_ptx.COLSUM_PRELUDE`) and a fixed-order add, so every gradient is deterministic. rowsum(dU o U)
 is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt + dAt^T is written by
 entries (dAt is strictly lower, so each entry of the sum is one term). The gate path (Gamma, R, D, the dG and dbeta
-reductions) is fp32 throughout. dq and dk are written per value head in fp32 (the GVA group sum follows), dv in
-v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv through one 64-bit row base per
+reductions) is fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from the fp32
+accumulators; the GVA group sum follows in fp32: half the bytes of fp32 written here and read there, and half the
+backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv through one 64-bit row base per
 chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`). bench/dev/chunk_bwd_protocol.py models the
 synchronisation (barrier counts, parities, every tile's reads against its writes).
 
@@ -195,8 +196,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         do: T.Tensor((1, T_, HV, V), dtype),
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
-        dq: T.Tensor((1, T_, HV, K), acc),
-        dk: T.Tensor((1, T_, HV, K), acc),
+        dq: T.Tensor((1, T_, HV, K), dtype),
+        dk: T.Tensor((1, T_, HV, K), dtype),
         dv: T.Tensor((1, T_, HV, V), dtype),
         dbeta: T.Tensor((1, T_, HV), acc),
         dg: T.Tensor((1, T_, HV), acc),
@@ -256,8 +257,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     if row < T_:
                         r64 = T.cast(row, "int64")
                         for j in T.serial(K):
-                            dq[0, r64, i_hv, j] = 0.0
-                            dk[0, r64, i_hv, j] = 0.0
+                            dq[0, r64, i_hv, j] = T.cast(0, dtype)
+                            dk[0, r64, i_hv, j] = T.cast(0, dtype)
                         for j in T.serial(V):
                             dv[0, r64, i_hv, j] = T.cast(0, dtype)
                         dbeta[0, r64, i_hv] = 0.0
@@ -378,7 +379,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(dp_s, k_s, dq_f, policy=FULL_COL)                   # dq += dP K
                         T.wgmma_gemm(vd_s, ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
                         T.wait_wgmma(1)                                                  # dq
-                        T.call_extern("handle", f"fd_store_acc_f32<{KC}>", dq_f.data,
+                        T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dq_f.data,
                                       T.address_of(dq[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
                         T.wait_wgmma(0)
                         asum[0] = 0.0
@@ -406,7 +407,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(pg_s, k_s, dk_f, policy=FULL_COL)                   # dk += (dAt + dAt^T) K
                         T.wait_wgmma(0)
                         T.barrier_arrive(dk_done[0])
-                        T.call_extern("handle", f"fd_store_acc_f32<{KC}>", dk_f.data,
+                        T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dk_f.data,
                                       T.address_of(dk[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
                         # ---- rows: dG (the last real row also gets e_L <dS1, S0> and the R-term total), dbeta.
                         # Their inputs are rewritten only after this warpgroup's next w_ready and bar.sync ----
@@ -629,7 +630,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
     Returns:
-        ``dq, dk [1, T, HV, K]`` fp32 (per value head), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]``
+        ``dq, dk [1, T, HV, K]`` in q's dtype (per value head), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]``
         fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs; no host
         synchronisation.
     """
@@ -641,8 +642,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     assert g_cumsum.dtype == torch.float32 and h.dtype == q.dtype and h.shape[1:] == (HV, V, K)
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    dq = _tl.alloc((1, T_, HV, K), torch.float32, dev)
-    dk = _tl.alloc((1, T_, HV, K), torch.float32, dev)
+    dq = _tl.alloc((1, T_, HV, K), q.dtype, dev)
+    dk = _tl.alloc((1, T_, HV, K), q.dtype, dev)
     dv = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     dbeta = _tl.alloc((1, T_, HV), torch.float32, dev)
     dG = _tl.alloc((1, T_, HV), torch.float32, dev)

@@ -18,12 +18,13 @@ DTYPES = fused_fwd.DTYPES
 
 
 def group_sum(dx: torch.Tensor, H: int) -> torch.Tensor:
-    """Stage `group_sum`: ``[1, T, HV, K]`` fp32 -> ``[1, T, H, K]`` fp32, the sum over the HV / H value heads of
-    each key head (one reduction over a contiguous view; at HV == H the input itself)."""
+    """Stage `group_sum`: ``[1, T, HV, K]`` (chunk_bwd's dtype) -> ``[1, T, H, K]`` fp32, the sum over the HV / H
+    value heads of each key head, accumulated in fp32 (one reduction over a contiguous view; at HV == H the input
+    itself)."""
     _, T_, HV, D = dx.shape
     if HV == H:
         return dx
-    return dx.view(1, T_, H, HV // H, D).sum(3)
+    return dx.view(1, T_, H, HV // H, D).sum(3, dtype=torch.float32)
 
 
 # beta / initial-state dtypes the launchers take (float64 goes in as fp32)

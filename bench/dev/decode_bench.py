@@ -6,7 +6,9 @@ One decode step per sequence (T = 1), dense ``[B, 1, H, K]`` bf16 q/k/v (with ``
 (Qwen3-Next's call). Each provider is timed as a CUDA-graph replay with the benchmark's runner (bench/timing.py: L2
 flushed before each sample, providers interleaved over rounds), after a correctness check of every provider against
 the float64 recurrence. The floor is the bytes the step must move (state read + written, q, k, v, o, g, beta) at
-`timing.PEAK_TBPS` (the H200's measured bandwidth); the nominal 4.8 TB/s floor is printed as well.
+`timing.PEAK_TBPS` (the H200's measured bandwidth); the nominal 4.8 TB/s floor is printed as well. The `copy` column
+is a device copy of the state (``torch.Tensor.copy_``, the same state bytes read and written) timed the same way:
+what this timing method gives a kernel that only moves those bytes.
 
     source .device/bootstrap.sh; python3 -u bench/dev/decode_bench.py [--batches 1 32 256] [--heads 16/32 2/8]
         [--varlen] [--out $OUT/decode.csv]
@@ -120,9 +122,9 @@ def run(args) -> int:
     stream = torch.cuda.Stream()
     flush = timing.L2Flush(args.flush_mb)
     rows = []
-    names = list(fns)
+    names = list(fns) + ["copy"]
     print(f"{'heads':>6} {'B':>4} {'form':>6} {'floor us':>9} " + " ".join(f"{n + ' us':>14}" for n in names)
-          + "  flashdelta/floor  fla/flashdelta", flush=True)
+          + "  flashdelta/floor  flashdelta/copy  fla/flashdelta", flush=True)
     for hh in args.heads:
         H, HV = parse_heads(hh)
         for B in args.batches:
@@ -131,6 +133,8 @@ def run(args) -> int:
                 errs = check(fns, small)
                 x = inputs(B, H, HV, varlen)
                 runners = {n: timing.make_runner(lambda fn=fn: fn(x), stream=stream) for n, fn in fns.items()}
+                dst = torch.empty_like(x["initial_state"])
+                runners["copy"] = timing.make_runner(lambda: dst.copy_(x["initial_state"]), stream=stream)
                 timed = timing.time_runners(runners, stream=stream, budget_ms=args.budget_ms, flush=flush,
                                             rounds=args.rounds)
                 nbytes = step_bytes(B, H, HV)
@@ -139,14 +143,16 @@ def run(args) -> int:
                 ratio_fla = f"{us['fla'] / us['flashdelta']:14.2f}" if "fla" in us else f"{'-':>14}"
                 print(f"{hh:>6} {B:>4} {'varlen' if varlen else 'dense':>6} {floor_us:9.2f} "
                       + " ".join(f"{us[n]:14.2f}" for n in names)
-                      + f"  {us['flashdelta'] / floor_us:16.2f}{ratio_fla}", flush=True)
+                      + f"  {us['flashdelta'] / floor_us:16.2f}  {us['flashdelta'] / us['copy']:15.2f}{ratio_fla}",
+                      flush=True)
                 for n in names:
                     rows.append(dict(heads=hh, B=B, form="varlen" if varlen else "dense", provider=n,
                                      us=f"{us[n]:.3f}", p20_us=f"{timed[n].p20 * 1e3:.3f}",
                                      p80_us=f"{timed[n].p80 * 1e3:.3f}", timing=timed[n].method,
                                      floor_us=f"{floor_us:.3f}",
                                      floor_nominal_us=f"{nbytes / (NOMINAL_TBPS * 1e12) * 1e6:.3f}",
-                                     bytes=nbytes, err_o=f"{errs[n][0]:.2e}", err_ht=f"{errs[n][1]:.2e}",
+                                     bytes=nbytes, err_o=f"{errs[n][0]:.2e}" if n in errs else "",
+                                     err_ht=f"{errs[n][1]:.2e}" if n in errs else "",
                                      note=timed[n].note))
     if args.out:
         with open(args.out, "w", newline="") as f:

@@ -25,8 +25,8 @@ def _add(out: dict, label: str, builder, args: tuple) -> None:
 
 
 def _stage_builds(forced: bool) -> dict:
-    from flashdelta.kernels import (chunk_bwd, chunk_dstate, fused_fwd, l2norm, prepare, prepare_bwd, prepare_oneshot,
-                                    prepare_pipe)
+    from flashdelta.kernels import (chunk_bwd, chunk_dstate, fused_fwd, group_sum, l2norm, prepare, prepare_bwd,
+                                    prepare_oneshot, prepare_pipe)
 
     out: dict = {}
     for c in cases.FWD_ALL:
@@ -69,6 +69,9 @@ def _stage_builds(forced: bool) -> dict:
     for _, K, dtype, _ in cases.L2NORM_CASES:
         for label, b, a in l2norm.launcher_builds(K, dtype):
             _add(out, label, b, a)
+    for name, _, H, HV, K, dx_dtype, l2, out_dtype in cases.GROUP_SUM_CASES:
+        a = group_sum.builder_args(HV // H, K, dx_dtype, out_dtype if l2 else None, out_dtype)
+        _add(out, f"{name}: group_sum", group_sum.build, a)
     return out
 
 

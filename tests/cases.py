@@ -110,6 +110,19 @@ L2NORM_CASES = [
     ((1, 1, 1), 128, torch.float16, 5.0),
 ]
 
+# tests/gpu/test_group_sum.py: (name, T, H, HV, K, chunk_bwd's dtype, l2norm backward fused, output dtype): the
+# model's call, rows that are and are not multiples of the 32-row tile, GVA 1..4, K 64..256, the portable chunk_bwd's
+# fp32 input
+GROUP_SUM_CASES = [
+    ("model-gva2-l2", 4096, 16, 32, 128, torch.bfloat16, True, torch.bfloat16),
+    ("ragged-gva2", 1001, 3, 6, 128, torch.bfloat16, False, torch.bfloat16),
+    ("gva4-k64-fp16-l2", 77, 4, 16, 64, torch.float16, True, torch.float16),
+    ("gva3-k256-l2", 300, 2, 6, 256, torch.bfloat16, True, torch.bfloat16),
+    ("gva1-l2", 129, 4, 4, 128, torch.bfloat16, True, torch.bfloat16),
+    ("fp32-in-gva2-l2", 200, 2, 4, 128, torch.float32, True, torch.bfloat16),
+    ("one-row-fp32-out", 1, 1, 2, 128, torch.bfloat16, False, torch.float32),
+]
+
 # tests/gpu/test_e2e_gpu.py through the public API. Few distinct (H, HV, dtype) so the GPU tier compiles few kernel
 # variants: most cases share 2/8. Inputs from `_helpers.make_inputs` (beta in the input dtype, fp32 h0).
 E2E_CASES = [

@@ -1,6 +1,7 @@
 """Where the SM90 backward's time goes: each stage of `stages.BACKWARD` timed on its own (CUDA-graph replay medians,
 the benchmark's runner), on the benchmark's inputs, plus the portable `prepare_bwd` for comparison and the whole
-backward through the public API.
+forward + backward through the public API, as the benchmark calls it and with ``use_qk_l2norm_in_kernel=True``
+(the models' call: the q/k normalisation and its backward, fused into the group sum, on top).
 
     source .device/bootstrap.sh; python3 bench/dev/bwd_stages.py --heads 16/32 --seqlens 1x8192 8192x4
 """
@@ -41,20 +42,22 @@ def main():
             res = chunk_bwd.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
             dG = res[4]
 
-            def api():
+            def api(l2norm=False):
                 from flashdelta import chunk_gated_delta_rule
                 o, ht = chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.h0,
-                                               output_final_state=True, cu_seqlens=cu)
+                                               output_final_state=True, cu_seqlens=cu,
+                                               use_qk_l2norm_in_kernel=l2norm)
                 return torch.autograd.grad((o, ht), inp.leaves(), (do, dht))
 
             steps = {
                 "prepare_fwd": lambda: prepare.prepare_fwd(k, g, beta, cu),
                 "state_recomp": lambda: fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
                 "chunk_bwd": lambda: chunk_bwd.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale),
-                "group_sum": lambda: sm90.group_sum(res[0], h),
+                "group_sum": lambda: sm90.KERNELS.group_sum(res[0], h),
                 "prepare_bwd": lambda: prepare_bwd.prepare_bwd(dG, cu),
                 "portable_pbwd": lambda: portable.prepare_bwd(dG, cu),
                 "fwd+bwd(api)": api,
+                "fwd+bwd(l2)": lambda: api(True),
             }
             runners = {}
             for name, fn in steps.items():
@@ -67,7 +70,8 @@ def main():
                                                   for n in NAMES), flush=True)
 
 
-NAMES = ("prepare_fwd", "state_recomp", "chunk_bwd", "group_sum", "prepare_bwd", "portable_pbwd", "fwd+bwd(api)")
+NAMES = ("prepare_fwd", "state_recomp", "chunk_bwd", "group_sum", "prepare_bwd", "portable_pbwd", "fwd+bwd(api)",
+         "fwd+bwd(l2)")
 
 if __name__ == "__main__":
     main()

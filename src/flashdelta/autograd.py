@@ -34,7 +34,6 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import cp, dispatch
 from .gates import beta_activation_bwd, gdn_gate_bwd
-from .portable import l2norm_bwd
 from .stages import KernelSet
 
 
@@ -219,9 +218,12 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                                                   scale=scale, state_v_first=state_v_first)
         del h
     del A, g_cumsum     # chunk_bwd's inputs go before the group sums allocate (the backward's peak memory)
+    # dq, dk per key head in q's dtype, with the l2norm's backward fused in; one at a time: dq per value head is
+    # freed before dk's result allocates
     group_sum = plan.fn("group_sum")
-    dq = group_sum(dq, H)           # one at a time: dq per value head is freed before dk's sum allocates
-    dk = group_sum(dk, H)
+    l2q, l2k = (dict(y=qf, rstd=rq), dict(y=kf, rstd=rk)) if use_qk_l2norm else ({}, {})
+    dq = group_sum(dq, H, out_dtype=q.dtype, **l2q)
+    dk = group_sum(dk, H, out_dtype=k.dtype, **l2k)
     dg = plan.fn("prepare_bwd")(dG, cu)
     dA_log, ddt_bias = _param_grads(q, A_log, dt_bias)
     if A_log is not None:       # the in-kernel gate's backward (docs/stages.md "The activations' backward")
@@ -229,8 +231,6 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         dA_log, ddt_bias = dA_log.to(A_log.dtype), (ddt_bias.to(dt_bias.dtype) if dt_bias is not None else ddt_bias)
     if beta_act:
         dbeta = beta_activation_bwd(dbeta, bf, beta_act)
-    if use_qk_l2norm:
-        dq, dk = l2norm_bwd(qf, rq, dq), l2norm_bwd(kf, rk, dk)
     dh0 = dh0.to(initial_state.dtype) if initial_state is not None else dh0_empty
     return (dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype),
             dg.reshape(g.shape).to(g.dtype), dbeta.reshape(beta.shape).to(beta.dtype), dh0, dA_log, ddt_bias)

@@ -38,7 +38,6 @@ from torch import Tensor
 from . import api, cp
 from .autograd import _flat, _gate_dtype, _param, _plan
 from .dispatch import UnsupportedError
-from .portable import l2norm_bwd
 
 __all__ = ["CPSlice", "build_cp_slice", "chunk_gated_delta_rule_cp", "from_fla_context", "rank_slices"]
 
@@ -397,12 +396,12 @@ def _backward(q, k, v, g, beta, h0, M_r, do, dfinal, sl: CPSlice, scale: float, 
         dq, dk, dv, dbeta, dG, dh0 = bks.chunk_bwd(qf, kf, vf, g_cumsum, b, A, h, dof, dht, cu, scale=scale,
                                                    state_v_first=False)
     del h, A, g_cumsum  # chunk_bwd's inputs go before the group sums allocate (the backward's peak memory)
+    # dq, dk per key head in q's dtype, with the l2norm's backward fused in (as autograd's backward)
     group_sum = plan.fn("group_sum")
-    dq = group_sum(dq, H)           # one at a time: dq per value head is freed before dk's sum allocates
-    dk = group_sum(dk, H)
+    l2q, l2k = (dict(y=qf, rstd=rq), dict(y=kf, rstd=rk)) if l2norm else ({}, {})
+    dq = group_sum(dq, H, out_dtype=q.dtype, **l2q)
+    dk = group_sum(dk, H, out_dtype=k.dtype, **l2k)
     dg = plan.fn("prepare_bwd")(dG, cu)
-    if l2norm:
-        dq, dk = l2norm_bwd(qf, rq, dq), l2norm_bwd(kf, rk, dk)
     return (dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype),
             dg.reshape(g.shape).to(g.dtype), dbeta.reshape(beta.shape).to(beta.dtype), dh0)
 

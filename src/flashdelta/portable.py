@@ -469,14 +469,18 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
     return dS.to(_state_dtype(cd))
 
 
-def group_sum(dx, H, *, compute_dtype=None, operand_dtype=None):
-    """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head, accumulated and returned in
-    at least compute_dtype (a native chunk_bwd's bf16 input comes back fp32)."""
+def group_sum(dx, H, *, y=None, rstd=None, out_dtype=None, compute_dtype=None, operand_dtype=None):
+    """[1,T,HV,K] -> [1,T,H,K]: sum over the HV/H value heads sharing each key head, then with (y, rstd) from
+    `l2norm_fwd` the l2norm backward through it (`l2norm_bwd`); accumulated in at least compute_dtype, returned in
+    out_dtype (default dx's)."""
     B, T, HV, D = dx.shape
     if HV % H != 0:
         raise ValueError(f"H={H} must divide HV={HV}")
     acc = torch.promote_types(dx.dtype, _resolve(compute_dtype, None, dx))
-    return dx.to(acc).reshape(B, T, H, HV // H, D).sum(3)
+    s = dx.to(acc).reshape(B, T, H, HV // H, D).sum(3)
+    if y is not None:
+        s = l2norm_bwd(y, rstd.to(acc), s)
+    return s.to(dx.dtype if out_dtype is None else out_dtype)
 
 
 def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):

@@ -154,7 +154,7 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
     else:
         prep, dec = {}, {}
     out = sm90.forward_builds(heads, **opts, qk_l2norm=qk_l2norm, num_sms=num_sms, **prep, beta_act=beta_act)
-    out += sm90.backward_builds(heads, **opts, beta_act=beta_act) if backward else []
+    out += sm90.backward_builds(heads, **opts, qk_l2norm=qk_l2norm, beta_act=beta_act) if backward else []
     sms = _tl.num_sms() if num_sms is None else num_sms
     for H, HV in heads:
         fwd, bwd = cp_passes(request, HV, K, V, dtype, sms=sms, backward=backward)

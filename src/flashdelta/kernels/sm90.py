@@ -10,21 +10,11 @@ from typing import Iterable, Optional
 import torch
 
 from ..stages import ANY, KernelSet, Stage
-from . import chunk_bwd, chunk_dstate, decode, fused_fwd, l2norm, prepare, prepare_bwd, prepare_common
+from . import chunk_bwd, chunk_dstate, decode, fused_fwd, group_sum, l2norm, prepare, prepare_bwd, prepare_common
 
 # (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
 HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
 DTYPES = fused_fwd.DTYPES
-
-
-def group_sum(dx: torch.Tensor, H: int) -> torch.Tensor:
-    """Stage `group_sum`: ``[1, T, HV, K]`` (chunk_bwd's dtype) -> ``[1, T, H, K]`` fp32, the sum over the HV / H
-    value heads of each key head, accumulated in fp32 (one reduction over a contiguous view; at HV == H the input
-    itself)."""
-    _, T_, HV, D = dx.shape
-    if HV == H:
-        return dx
-    return dx.view(1, T_, H, HV // H, D).sum(3, dtype=torch.float32)
 
 
 # beta / initial-state dtypes the launchers take (float64 goes in as fp32)
@@ -38,7 +28,7 @@ KERNELS = KernelSet(
     state_recompute=Stage(fused_fwd.state_recompute, head_dims=chunk_bwd.HEAD_DIMS),   # for chunk_bwd only
     chunk_bwd=Stage(chunk_bwd.chunk_bwd, head_dims=chunk_bwd.HEAD_DIMS),
     chunk_dstate=Stage(chunk_dstate.chunk_dstate, head_dims=chunk_bwd.HEAD_DIMS),     # CP's backward
-    group_sum=Stage(group_sum, head_dims=ANY),
+    group_sum=group_sum.group_sum,
     prepare_bwd=Stage(prepare_bwd.prepare_bwd, head_dims=ANY),     # per value head and token: any K, V
 )
 
@@ -73,7 +63,7 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
 
 def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
-                    state_v_first: tuple = (False,), beta_act: int = 0) -> list:
+                    state_v_first: tuple = (False,), qk_l2norm: bool = True, beta_act: int = 0) -> list:
     """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
     `KERNELS` in `stages.BACKWARD` that the forward does not run; its recompute of `prepare_fwd` takes the forward's
     builds), options as in `forward_builds`; none for the state recompute and chunk_bwd where their head dims are not
@@ -88,6 +78,9 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
             # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
             out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
             out += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
+        # dq and dk from chunk_bwd in q's dtype, from the portable chunk_bwd in fp32
+        dx_dtype = dtype if (K, V) in chunk_bwd.HEAD_DIMS else torch.float32
+        out += group_sum.launcher_builds(H, HV, K, dtype, qk_l2norm, dx_dtype)
     return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]
 
 

@@ -55,8 +55,8 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
                            chunk_size=chunk_size, chunk_take=chunk_take, **_F64)
 
 
-def group_sum(dx, H):
-    return _p.group_sum(_up(dx), H, **_F64)
+def group_sum(dx, H, *, y=None, rstd=None):
+    return _p.group_sum(_up(dx), H, y=_up(y), rstd=_up(rstd), **_F64)
 
 
 def prepare_bwd(dG, cu_seqlens, *, chunk_size=64):

@@ -98,7 +98,13 @@ TABLE = timeline.Table(
         "a.w": "wait w_ready (state WGs)",
         "a.dp": "Vd, dPg, dP stored, dp_ready arrived; Mx's first term's sums",
         "a.dvd": "wait dvd_ready (state WGs)",
-        "a.inv": "dAg, K K^T, dA, colsum(dAb o A), A^T dA A^T, Mx's second sums, dAt + dAt^T, dat_ready arrived",
+        "a.dag": "dAg = dVd W^T and K K^T complete",
+        "a.da": "dA and dAb o A o beta_j formed; colsum(dAb o A)",
+        "a.atda": "A^T dA complete, to shared",
+        "a.dl": "(A^T dA) A^T complete; Mx's second row and column sums",
+        "a.vload": "the previous chunk's v and A issued (c > 0)",
+        "a.rbt": "dL masked; rowsum(dL o K K^T)",
+        "a.inv": "dAt + dAt^T stored, dat_ready arrived",
         "a.load": "next gates stored; wait qh_free; next q, S0^T, dO issued",
         "a.done": "wait dk_done (state WGs)",
         "a.ag": "next k issued; wait v, A; the next chunk's Ag stored",
@@ -532,6 +538,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                      clear_accum=True)                                  # dAg = dVd W^T
                         T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)   # K K^T
                         T.wait_wgmma(0)
+                        mark(cc, "a.dag")
                         for i, j in T.Parallel(BT, BT):
                             dab = gamma(g_s, gs, i, j) * dag_f[i, j]
                             ag_s[i, j] = T.cast(dab * b_s[gs, j], dtype)                   # dA
@@ -539,18 +546,21 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             mx_f[i, j] = daba_f[i, j] * b_s[gs, j]                         # dAb o A o beta_j
                         T.fence_proxy_async()
                         colsum(daba_f, part_s, vec_s, 2, ta)                                # (its barrier covers dA)
+                        mark(cc, "a.da")
                         T.wgmma_gemm(a_s, ag_s, x2_f, transpose_A=True, clear_accum=True)  # A^T dA
                         T.wait_wgmma(0)
                         T.sync_threads(2, 128)
                         T.copy(x2_f, ag_s)
                         T.fence_proxy_async()
                         T.sync_threads(2, 128)
+                        mark(cc, "a.atda")
                         T.wgmma_gemm(ag_s, a_s, dl_f, transpose_B=True, clear_accum=True)  # (A^T dA) A^T
                         T.reduce_sum(mx_f, red_m, dim=1)
                         for i in T.Parallel(BT):
                             vec_s[4, i] = red_m[i]
                         colsum(mx_f, part_s, vec_s, 5, ta)
                         T.wait_wgmma(0)
+                        mark(cc, "a.dl")
                         if c > 0:
                             # v (W) and A are consumed: the previous chunk's
                             T.sync_threads(2, 128)
@@ -558,12 +568,14 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                 T.tma_copy(v[0, t0 - BT:t0, i_hv, 0:V], v_s, barrier=full_va[0])
                                 T.tma_copy(A[0, t0 - BT:t0, i_hv, 0:BT], a_s, barrier=full_va[0])
                             T.barrier_arrive(full_va[0])
+                        mark(cc, "a.vload")
                         for i, j in T.Parallel(BT, BT):
                             dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
                             rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
                         T.reduce_sum(rbt_f, red_l, dim=1)
                         for i in T.Parallel(BT):
                             vec_s[3, i] = red_l[i]
+                        mark(cc, "a.rbt")
                         # dAt + dAt^T, dAt = diag(beta) dL strictly lower: each entry is one of the two terms (Pg
                         # was last read by Y^T, before dvd_ready)
                         for i, j in T.Parallel(BT, BT):

@@ -48,8 +48,8 @@ is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T
 entries (dAt is strictly lower, so each entry of the sum is one term). The gate path (Gamma, R, D, the dG and dbeta
 reductions) is fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from the fp32
 accumulators; the GVA group sum follows in fp32: half the bytes of fp32 written here and read there, and half the
-backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv through one 64-bit row base per
-chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`). bench/dev/chunk_bwd_protocol.py models the
+backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv
+through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`). bench/dev/chunk_bwd_protocol.py models the
 synchronisation (barrier counts, parities, every tile's reads against its writes).
 
 Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
@@ -642,8 +642,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
     Returns:
-        ``dq, dk [1, T, HV, K]`` in q's dtype (per value head), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]``
-        fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs; no host
+        ``dq, dk [1, T, HV, K]`` in q's dtype (per value head), ``dv [1, T, HV, V]`` in v's dtype,
+        ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs; no host
         synchronisation.
     """
     _, T_, H, K = q.shape

@@ -1,14 +1,15 @@
 """Stage `group_sum` (SM90 TileLang): the GVA group sum of the per-value-head dq or dk, with the l2norm backward
 fused in (docs/stages.md).
 
-    s[r]   = sum over g of dx[r, g]                (fp32; row r = one token of one key head, g its G = HV / H value heads)
+    s[r]   = sum over g of dx[r, g]                (fp32; row r: a token of a key head; g: its G = HV / H value heads)
     out[r] = s[r]                                  without y
     out[r] = (s[r] - (s[r] . y[r]) y[r]) rstd[r]   with y = x rstd, the q/k normalisation's output: its backward
 
 in the output's dtype (the caller passes q's: what autograd returns). One memory-bound pass: G rows of chunk_bwd's
 gradient, y and rstd in, one row out, where torch made a reduction over the group, a cast and, with the l2norm,
 five element-wise fp32 passes (docs/dev/chunk_bwd.md). The group is summed in a fixed order (value head 0 first),
-so the result is deterministic. A CTA per 64 rows as `l2norm_fwd`; the row index is 64-bit, so tensors past 2^31
+so the result is deterministic. A CTA per 32 rows (`l2norm_fwd`'s layout, half its rows: fewer registers with the
+l2norm's three row tiles); the row index is 64-bit, so tensors past 2^31
 elements work. The portable twin is `portable.group_sum`, the float64 one `reference.chunked.group_sum`.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.

@@ -135,6 +135,13 @@ def test_state_recompute(case):
                                     operand_dtype=case.dtype)
     base = (base if case.state_v_first else base.transpose(-1, -2)).to(case.dtype)
     assert_close("h", got, want[[g for _, g in pairs]], baseline=base[[g for _, g in pairs]])
+    # the states-only build's state chain is the full forward's: its final state is chunk_fwd's bit for bit
+    _, _, ht = fused_fwd._launch(x["k"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
+                                 x["cu_seqlens"], scale=1.0, state_v_first=case.state_v_first, chunk_size=BT,
+                                 save_states=True, states_only=True)
+    _, ht_fwd = fused_fwd.chunk_fwd(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
+                                    x["cu_seqlens"], scale=x["scale"], state_v_first=case.state_v_first)
+    assert torch.equal(ht, ht_fwd), "state_recompute's state chain differs from the forward's"
 
 
 def test_chunk_bwd_deterministic():

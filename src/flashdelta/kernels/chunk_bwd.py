@@ -450,6 +450,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     x2_f = T.alloc_fragment((BT, BT), acc)
                     dl_f = T.alloc_fragment((BT, BT), acc)
                     rbt_f = T.alloc_fragment((BT, BT), acc)
+                    gam_f = T.alloc_fragment((BT, BT), acc)         # Gamma, from Pg's pass to dA's
                     red_m = T.alloc_fragment((BT,), acc)
                     red_l = T.alloc_fragment((BT,), acc)
                     gl = T.alloc_local((2,), acc)                   # the next chunk's G and beta of row ta
@@ -504,7 +505,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(BT, BT):
-                            pg_s[i, j] = T.cast(p_f[i, j] * gamma(g_s, gs, i, j) * scale, dtype)
+                            gam_f[i, j] = gamma(g_s, gs, i, j)           # one exp2: dP and dA reuse it
+                            pg_s[i, j] = T.cast(p_f[i, j] * gam_f[i, j] * scale, dtype)
                         T.fence_proxy_async()
                         T.sync_threads(2, 128)                                              # (covers Ag too)
                         T.barrier_arrive(prep_ready[0])
@@ -521,9 +523,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(BT, BT):
-                            gam = gamma(g_s, gs, i, j)
-                            mx_f[i, j] = p_f[i, j] * gam * scale * x_f[i, j]               # Pg o dPg
-                            dp_s[i, j] = T.cast(x_f[i, j] * gam * scale, dtype)            # dP
+                            mx_f[i, j] = p_f[i, j] * gam_f[i, j] * scale * x_f[i, j]       # Pg o dPg
+                            dp_s[i, j] = T.cast(x_f[i, j] * gam_f[i, j] * scale, dtype)    # dP
                         T.fence_proxy_async()
                         T.barrier_arrive(dp_ready[0])
                         T.reduce_sum(mx_f, red_m, dim=1)
@@ -540,7 +541,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wait_wgmma(0)
                         mark(cc, "a.dag")
                         for i, j in T.Parallel(BT, BT):
-                            dab = gamma(g_s, gs, i, j) * dag_f[i, j]
+                            dab = gam_f[i, j] * dag_f[i, j]
                             ag_s[i, j] = T.cast(dab * b_s[gs, j], dtype)                   # dA
                             daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
                             mx_f[i, j] = daba_f[i, j] * b_s[gs, j]                         # dAb o A o beta_j

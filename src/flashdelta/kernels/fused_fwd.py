@@ -529,7 +529,8 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
                            h0_dtype: torch.dtype, initial_state=(False, True), state_v_first=(False,)) -> list:
     """(label, builder, args) of every kernel `state_recompute` launches (the fused forward writing its states)."""
     return [(f"state_recompute H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, 1.0, has_h0, vfirst) + (True,))
+             builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, 1.0, has_h0, vfirst)
+             + _flags(True, False, False, True))
             for has_h0 in initial_state for vfirst in state_v_first]
 
 
@@ -567,16 +568,17 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
     """The state entering every chunk, for `chunk_bwd` (docs/stages.md `state_recompute`; the SM90 layout is private
     to the SM90 backward): ``h [T // BT + N + 1, HV, V, K]`` in q's dtype, the transposed state ``S0^T`` of
     chunk c of sequence n at slot ``cu_seqlens[n] // BT + n + c`` (slots no chunk owns are not written). Runs the
-    fused forward with its state output on (o is computed with k in q's place and dropped)."""
+    fused forward's states-only build with its state output on (no q, no Q K^T, Pg or O GEMMs, no o): its states
+    are the full build's bit for bit, because the state chain is the same code."""
     _, h, _ = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
-                      chunk_size=chunk_size, save_states=True)
+                      chunk_size=chunk_size, save_states=True, states_only=True)
     return h
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False):
     """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip`, `zero_values` and
-    `states_only` (o None) as `chunk_fwd` takes them (not with save_states)."""
+    `states_only` (o None) as `chunk_fwd` takes them (`zero_values` not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -605,7 +607,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
-    assert not ((zero_values or states_only) and save_states), "zero_values, states_only: chunk_fwd only"
+    assert not (zero_values and save_states), "zero_values: chunk_fwd only"
     vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
     ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),

@@ -94,9 +94,12 @@ TABLE = timeline.Table(
         "s.dat": "wait dat_ready (chunk WG)",
         "s.end": "(dAt + dAt^T) K; dk_done arrived; dk stored; dG and dbeta rows",
         "a.k": "wait full_k, full_qh (the TMA of k, q, S0^T)",
-        "a.prep": "P = Q K^T, Pg stored, prep_ready arrived",
+        "a.qk": "P = Q K^T complete (the next chunk's gate loads issued)",
+        "a.prep": "Gamma, Pg stored, prep_ready arrived",
         "a.w": "wait w_ready (state WGs)",
-        "a.dp": "Vd, dPg, dP stored, dp_ready arrived; Mx's first term's sums",
+        "a.vd": "Vd = Ag W complete, stored",
+        "a.dpg": "wait full_do; dPg = dO Vd^T complete",
+        "a.dp": "Mx's first term, dP stored, dp_ready arrived; Mx's first term's sums",
         "a.dvd": "wait dvd_ready (state WGs)",
         "a.dag": "dAg = dVd W^T and K K^T complete",
         "a.da": "dA and dAb o A o beta_j formed; colsum(dAb o A)",
@@ -107,7 +110,8 @@ TABLE = timeline.Table(
         "a.inv": "dAt + dAt^T stored, dat_ready arrived",
         "a.load": "next gates stored; wait qh_free; next q, S0^T, dO issued",
         "a.done": "wait dk_done (state WGs)",
-        "a.ag": "next k issued; wait v, A; the next chunk's Ag stored",
+        "a.va": "next k issued, the gates' barrier; wait full_va (v, A)",
+        "a.ag": "the next chunk's Ag stored",
     },
     ctas=8, steps=32, value="NT")
 
@@ -504,6 +508,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         # ---- P = Q K^T, Pg (Ag is stored: the previous chunk's end or the set-up) ----
                         T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T
                         T.wait_wgmma(0)
+                        mark(cc, "a.qk")
                         for i, j in T.Parallel(BT, BT):
                             gam_f[i, j] = gamma(g_s, gs, i, j)           # one exp2: dP and dA reuse it
                             pg_s[i, j] = T.cast(p_f[i, j] * gam_f[i, j] * scale, dtype)
@@ -519,9 +524,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.copy(vd_f, vd_s)
                         T.fence_proxy_async()
                         T.sync_threads(2, 128)
+                        mark(cc, "a.vd")
                         T.barrier_wait(full_do[0], ph)
                         T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T
                         T.wait_wgmma(0)
+                        mark(cc, "a.dpg")
                         for i, j in T.Parallel(BT, BT):
                             mx_f[i, j] = p_f[i, j] * gam_f[i, j] * scale * x_f[i, j]       # Pg o dPg
                             dp_s[i, j] = T.cast(x_f[i, j] * gam_f[i, j] * scale, dtype)    # dP
@@ -609,6 +616,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             T.barrier_arrive(full_k[0])
                             T.sync_threads(2, 128)                                          # the gates
                             T.barrier_wait(full_va[0], ph ^ 1)
+                            mark(cc, "a.va")
                             make_ag((cc + 1) % 2, a_s, g_s, b_s, ag_s)
                             mark(cc, "a.ag")
 

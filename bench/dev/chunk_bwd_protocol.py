@@ -20,9 +20,9 @@ PARTS = ("ds", "dvd", "du", "rs_q", "rs_k1", "rs_k2", "asum", "wsum")     # writ
 
 def counts(nsw: int) -> dict:
     st = 128 * nsw
-    c = dict(full_k=A_THREADS, full_qh=A_THREADS, full_va=A_THREADS, full_do=A_THREADS, full_g0=A_THREADS,
+    c = dict(full_k=32, full_qh=32, full_va=A_THREADS, full_do=32, full_g0=A_THREADS,
              full_g1=A_THREADS, first=32, prep_ready=A_THREADS, dp_ready=A_THREADS, dat_ready=A_THREADS,
-             w_ready=st, dvd_ready=st, qh_free=st, dk_done=st)
+             w_ready=st, dvd_ready=st, dk_done=st)
     return c
 
 
@@ -43,19 +43,21 @@ def state_role(NT, w, nsw):
     """State warpgroup w: the dS chain, U and W, dv, dq, dk, the rows (warpgroup 0's first two warps)."""
     for cc in range(NT):
         ph, gs = cc % 2, cc % 2
+        kb = cc % 2
+        k, vd = f"kv{kb}", f"kv{1 - kb}"                              # this chunk's k and Vd tiles
         yield wait("full_k", cc, ph)
         yield wait("full_qh", cc, ph)
         yield wait(f"full_g{gs}", cc // 2, (cc // 2) % 2)
-        yield rd("k", cc); yield rd("h", cc)                          # U issued
+        yield rd(k, ("k", cc)); yield rd("h", cc)                     # U issued
         yield wr("ds", cc, w)                                         # dS1^T stored
         yield ("sync", "bar1")
-        yield rd("ds", cc, w); yield rd("k", cc)                      # X^T issued (its rows of dS1^T)
-        yield rd("k", cc); yield rd("h", cc)                          # U complete
+        yield rd("ds", cc, w); yield rd(k, ("k", cc))                 # X^T issued (its rows of dS1^T)
+        yield rd(k, ("k", cc)); yield rd("h", cc)                     # U complete
         yield wait("full_va", cc, ph)
         yield rd(f"g{gs}", cc); yield rd("v", ("V", cc), w); yield wr("v", ("W", cc), w)  # W = V - D U, its columns
         yield ("arrive", "w_ready", 128)
         yield rd("h", cc)                                             # <dS1, S0>
-        yield rd("ds", cc, w); yield rd("k", cc)                      # X^T complete
+        yield rd("ds", cc, w); yield rd(k, ("k", cc))                 # X^T complete
         yield wait("full_do", cc, ph)
         yield wait("prep_ready", cc, ph)
         yield rd("do", cc); yield rd("pg", ("Pg", cc))                # Y^T
@@ -64,24 +66,29 @@ def state_role(NT, w, nsw):
         yield rd("ag", ("Ag", cc))                                    # dv^T complete
         yield ("arrive", "dvd_ready", 128)
         yield rd("do", cc); yield wr("du", cc, w)                     # (scale D dO)^T, dU^T stored
-        yield rd("q", cc); yield rd("k", cc); yield rd("h", cc); yield rd("do", cc)  # dS0^T, dO S0^T complete
+        yield rd("q", cc); yield rd(k, ("k", cc)); yield rd("h", cc); yield rd("do", cc)  # dS0^T, dO S0^T complete
         yield wr("wsum", cc, w)
         yield rd("q", cc); yield wr("rs_q", cc, w)                    # rowsum(Q o scale D dO S0^T)
         yield wait("dp_ready", cc, ph)
-        yield rd("dp", cc); yield rd("k", cc)                         # dq += dP K
-        yield rd("vd", cc); yield rd("ds", cc)                        # Vd dS1^T (its columns of every row)
-        yield rd("k", cc); yield rd(f"g{gs}", cc); yield wr("rs_k1", cc, w)  # R o .., rowsum(K o ..)
+        yield rd("dp", cc); yield rd(k, ("k", cc))                    # dq += dP K
+        yield rd(vd, ("Vd", cc)); yield rd("ds", cc)                  # Vd dS1^T (its columns of every row)
+        yield rd(k, ("k", cc)); yield rd(f"g{gs}", cc); yield wr("rs_k1", cc, w)  # R o .., rowsum(K o ..)
         yield ("sync", "bar1")
         yield rd("du", cc); yield rd("h", cc)                         # dk += dU S0^T issued
         yield wr("asum", cc, w)                                       # the R-term total's parts
         yield rd("du", cc); yield rd("h", cc)                         # complete
-        yield rd("k", cc); yield wr("rs_k2", cc, w)
+        yield rd(k, ("k", cc)); yield wr("rs_k2", cc, w)
         yield rd("dp", cc); yield rd("q", cc)                         # dk += dP^T Q
-        yield ("arrive", "qh_free", 128)
         yield ("sync", "bar1")
+        if w == 0 and cc < NT - 1:
+            # its warp 0: the next chunk's k into this chunk's Vd tile, q, S0^T, dO
+            yield ("tma", vd, ("k", cc + 1), "full_k"); yield ("tma", "q", cc + 1, "full_qh")
+            yield ("tma", "h", cc + 1, "full_qh"); yield ("tma", "do", cc + 1, "full_do")
+            for b in ("full_k", "full_qh", "full_do"):
+                yield ("arrive", b, 32)
         yield wait("dat_ready", cc, ph)
-        yield rd("pg", ("dAt", cc)); yield rd("k", cc)                # dk += (dAt + dAt^T) K issued
-        yield rd("pg", ("dAt", cc)); yield rd("k", cc)                # complete
+        yield rd("pg", ("dAt", cc)); yield rd(k, ("k", cc))           # dk += (dAt + dAt^T) K issued
+        yield rd("pg", ("dAt", cc)); yield rd(k, ("k", cc))           # complete
         yield ("arrive", "dk_done", 128)
         if w == 0:
             for b in ("rs_q", "rs_k1", "rs_k2", "asum", "wsum", "vec"):
@@ -89,33 +96,42 @@ def state_role(NT, w, nsw):
 
 
 def chunk_role(NT):
-    """The chunk warpgroup: the loads, Ag, P, Pg, Vd, dP, the inverse's dAt and the sums."""
+    """The chunk warpgroup: the loads, P, Pg, Vd, dP, the inverse's dAt and the sums."""
     if NT > 0:
-        for b in ("q", "k", "v", "a", "do", "h"):
-            yield ("tma", b, ("V", 0) if b == "v" else 0, "first")
+        for b in ("q", "kv0", "v", "a", "do", "h"):
+            yield ("tma", b, {"v": ("V", 0), "kv0": ("k", 0)}.get(b, 0), "first")
         yield ("arrive", "first", 32)
         yield wr("g0", 0)
         yield wait("first", 0, 0)
-        for b in ("full_k", "full_qh", "full_va", "full_do", "full_g0"):
-            yield ("arrive", b, A_THREADS)
         yield rd("a", 0); yield rd("g0", 0); yield wr("ag", ("Ag", 0))
+        for b in ("full_k", "full_qh", "full_do"):
+            yield ("arrive", b, 32)
+        for b in ("full_va", "full_g0"):
+            yield ("arrive", b, A_THREADS)
     for cc in range(NT):
         c = NT - 1 - cc
         ph, gs = cc % 2, cc % 2
+        kb = cc % 2
+        k, vd = f"kv{kb}", f"kv{1 - kb}"
         yield wait("full_k", cc, ph); yield wait("full_qh", cc, ph)
-        yield rd("q", cc); yield rd("k", cc)                          # P
+        yield rd("q", cc); yield rd(k, ("k", cc))                     # P
+        if cc > 0:
+            yield wait("dk_done", cc - 1, ph ^ 1)                     # pg_s, dp_s released
         yield rd(f"g{gs}", cc); yield wr("pg", ("Pg", cc))
         yield ("arrive", "prep_ready", A_THREADS)
         yield wait("w_ready", cc, ph)
+        if c > 0:
+            yield wr(f"g{(cc + 1) % 2}", cc + 1)
+            yield ("arrive", f"full_g{(cc + 1) % 2}", A_THREADS)
         yield rd("ag", ("Ag", cc)); yield rd("v", ("W", cc))          # Vd
-        yield wr("vd", cc)
+        yield wr(vd, ("Vd", cc))
         yield wait("full_do", cc, ph)
-        yield rd("do", cc); yield rd("vd", cc)                        # dPg
+        yield rd("do", cc); yield rd(vd, ("Vd", cc))                  # dPg
         yield wr("dp", cc)
         yield ("arrive", "dp_ready", A_THREADS)
         yield wr("vec", cc)                                           # Mx's first term's sums
         yield wait("dvd_ready", cc, ph)
-        yield rd("dvd", cc); yield rd("v", ("W", cc)); yield rd("k", cc)   # dAg, K K^T
+        yield rd("dvd", cc); yield rd("v", ("W", cc)); yield rd(k, ("k", cc))   # dAg, K K^T
         yield rd("a", cc); yield wr("ag", ("dA", cc)); yield wr("vec", cc)   # dA, colsum(dAb o A)
         yield rd("a", cc); yield rd("ag", ("dA", cc)); yield wr("ag", ("x2", cc))   # A^T dA
         yield rd("ag", ("x2", cc)); yield rd("a", cc)                 # (A^T dA) A^T, Mx's sums
@@ -125,14 +141,6 @@ def chunk_role(NT):
         yield rd(f"g{gs}", cc); yield wr("pg", ("dAt", cc)); yield wr("vec", cc)
         yield ("arrive", "dat_ready", A_THREADS)
         if c > 0:
-            yield wr(f"g{(cc + 1) % 2}", cc + 1)
-            yield wait("qh_free", cc, ph)
-            yield ("tma", "q", cc + 1, "full_qh"); yield ("tma", "h", cc + 1, "full_qh")
-            yield ("tma", "do", cc + 1, "full_do")
-            yield ("arrive", "full_qh", A_THREADS); yield ("arrive", "full_do", A_THREADS)
-            yield ("arrive", f"full_g{(cc + 1) % 2}", A_THREADS)
-            yield wait("dk_done", cc, ph)
-            yield ("tma", "k", cc + 1, "full_k"); yield ("arrive", "full_k", A_THREADS)
             yield wait("full_va", cc + 1, ph ^ 1)
             yield rd("a", cc + 1); yield rd(f"g{(cc + 1) % 2}", cc + 1); yield wr("ag", ("Ag", cc + 1))
 

@@ -29,28 +29,36 @@ Two roles (V / 64 + 1 warpgroups, mbarrier hand-offs, no CTA-wide barrier after 
   computes columns [64 w, 64 w + 64)). Per chunk: U = K S0 and W = V - D U (stored over V), dS1^T to shared,
   X^T = dS1^T K^T, Y^T = dO^T Pg, dVd^T = X^T R + Y^T (to shared), dv^T = dVd^T Ag (register A operand), dv stored,
   dU^T = -dv^T D, dS0^T = e_L dS1^T + dU^T K + (scale D dO)^T Q (register A operands), the e_L <dS1, S0> part of dG;
-  then dq = scale D dO S0^T + dP K and dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + (dAt + dAt^T) K with dG's row terms
-  read off their accumulators, and the rows of dG and dbeta.
-- **chunk warpgroup**: the loads (TMA from its warp 0, each input reloaded for the next chunk as soon as its last
-  reader releases it; the first chunk's ragged rows zeroed before its arrival), Ag (under the next chunk's k load),
-  P, Pg, Vd, dPg, dP, Mx's sums; once the chain has produced dVd^T: dAg, K K^T, dA, the inverse's A^T dA A^T,
-  dbeta's and dG's row and column sums, dAt + dAt^T.
+  then dq = scale D dO S0^T + dP K and dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + dAt K + dAt^T K with dG's row terms
+  read off their accumulators, and the rows of dG and dbeta. Once dk's third product is complete they have released
+  q, S0^T, dO and this chunk's Vd tile, and the first state warpgroup's warp 0 issues the previous chunk's k (into
+  that Vd tile), q, S0^T and dO by TMA.
+- **chunk warpgroup**: the first chunk's loads (its ragged rows zeroed before the arrivals), v and A (reloaded
+  once the inverse has consumed them) and the gates (plain loads under its wait for W); P, Gamma, Pg, Vd, dPg, dP,
+  Mx's sums; once the chain has produced dVd^T: dAg, K K^T, dA, the inverse's A^T dA A^T, dbeta's and dG's row and
+  column sums, dAt; then the next chunk's Ag.
 
-The per-chunk critical path: k's load -> P, Pg (chunk) and U, W (state) -> Vd, dPg, dP (chunk), with dVd^T
-(state) ready by then -> the inverse's dAt (chunk) -> dk's last product (state) -> the next k's load. The state
-warpgroups' dv, dS0, dq and dk's first three products run while the chunk warpgroup works on the inverse; q, S0^T
-and dO are released (and reloaded) before dk's last product, which reads only k.
+k and Vd share a two-tile ring (K = V): chunk cc's k is tile cc % 2 and its Vd the other, so the next k loads while
+dk's last two products still read this one, and the chunk warpgroup waits for dk_done only before it overwrites
+Pg and dP. The per-chunk critical path: P, Pg (chunk) and U, W (state) -> Vd, dPg, dP (chunk), with dVd^T (state)
+ready by then -> the inverse's dAt (chunk) -> dk's last products (state); the next chunk's k, q, S0^T and dO load
+under the inverse, its Ag under the state warpgroups' dk and rows.
+
+Every per-row or per-column gate factor of an element-wise pass is loaded into a register vector first: read from
+shared memory per element, it would be reloaded after every store to shared memory (one dynamic buffer holds every
+tile, so the compiler cannot tell them apart).
 
 Row sums are fragment reductions (a wgmma accumulator row lives in one quad; a state warpgroup's part of a row goes
 to shared memory and the parts are added in warpgroup order, `_ptx.ROWSUM_PRELUDE`); column sums go through
 per-warp shuffles (`_ptx.COLSUM_PRELUDE`) and a fixed-order add, so every gradient is deterministic. rowsum(dU o U)
-is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt + dAt^T is written by
-entries (dAt is strictly lower, so each entry of the sum is one term). The gate path (Gamma, R, D, the dG and dbeta
-reductions) is fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from the fp32
-accumulators; the GVA group sum follows in fp32: half the bytes of fp32 written here and read there, and half the
-backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq, dk and dv
-through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`). bench/dev/chunk_bwd_protocol.py models the
-synchronisation (barrier counts, parities, every tile's reads against its writes).
+is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt (strictly lower) is
+stored whole with zeros on and above the diagonal, and dk adds dAt K and dAt^T K. The gate path (Gamma, R, D, the
+dG and dbeta reductions) is fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from
+the fp32 accumulators; the GVA group sum follows in fp32: half the bytes of fp32 written here and read there, and
+half the backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq,
+dk and dv through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`).
+bench/dev/chunk_bwd_protocol.py models the synchronisation (barrier counts, parities, every tile's reads against
+its writes).
 
 Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
 below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence, value head), sequence
@@ -84,19 +92,21 @@ TABLE = timeline.Table(
     "chunk_bwd",
     roles={"s": ("state WGs", 0), "a": ("chunk WG", 256)},
     events={
-        "s.k": "wait full_k (chunk WG)",
+        "s.k": "wait full_k (the TMA issued at the previous s.dk)",
         "s.w": "U = K S0, dS1^T stored, X^T issued; wait v; W stored, w_ready arrived",
         "s.prep": "<dS1, S0>, e_L dS1, X^T complete; wait prep_ready (chunk WG)",
         "s.dvd": "Y^T, dVd^T, dv^T; dVd^T stored, dvd_ready arrived",
         "s.ds0": "dv stored; dU^T stored; dS0^T complete, dO S0^T, dq's row sums",
         "s.dp": "wait dp_ready (chunk WG)",
-        "s.dk": "dP K, Vd dS1^T; dq stored; dU S0^T, dP^T Q, dk's row sums; q, S0^T released",
+        "s.dk": "dP K, Vd dS1^T; dq stored; dU S0^T, dP^T Q, dk's row sums; the next k, q, S0^T, dO issued",
         "s.dat": "wait dat_ready (chunk WG)",
-        "s.end": "(dAt + dAt^T) K; dk_done arrived; dk stored; dG and dbeta rows",
+        "s.end": "dAt K + dAt^T K; dk_done arrived; dk stored; dG and dbeta rows",
         "a.k": "wait full_k, full_qh (the TMA of k, q, S0^T)",
-        "a.qk": "P = Q K^T complete (the next chunk's gate loads issued)",
+        "a.qk": "P = Q K^T complete",
+        "a.dkd": "wait dk_done of the previous chunk (state WGs)",
         "a.prep": "Gamma, Pg stored, prep_ready arrived",
-        "a.w": "wait w_ready (state WGs)",
+        "a.w": "the next gates' loads issued; wait w_ready (state WGs)",
+        "a.g": "the next gates stored",
         "a.vd": "Vd = Ag W complete, stored",
         "a.dpg": "wait full_do; dPg = dO Vd^T complete",
         "a.dp": "Mx's first term, dP stored, dp_ready arrived; Mx's first term's sums",
@@ -106,11 +116,8 @@ TABLE = timeline.Table(
         "a.atda": "A^T dA complete, to shared",
         "a.dl": "(A^T dA) A^T complete; Mx's second row and column sums",
         "a.vload": "the previous chunk's v and A issued (c > 0)",
-        "a.rbt": "dL masked; rowsum(dL o K K^T)",
-        "a.inv": "dAt + dAt^T stored, dat_ready arrived",
-        "a.load": "next gates stored; wait qh_free; next q, S0^T, dO issued",
-        "a.done": "wait dk_done (state WGs)",
-        "a.va": "next k issued, the gates' barrier; wait full_va (v, A)",
+        "a.inv": "dL masked, dAt stored, rowsum(dL o K K^T); dat_ready arrived",
+        "a.va": "wait full_va (the next v, A)",
         "a.ag": "the next chunk's Ag stored",
     },
     ctas=8, steps=32, value="NT")
@@ -149,10 +156,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     prelude = (_ptx.COLSUM_PRELUDE + _ptx.ROWSUM_PRELUDE + _ptx.STORE_DVT_PRELUDE + _ptx.STORE_ACC_PRELUDE
                + timeline.prelude(TABLE))
 
-    def gamma(g_s, gs, i, j):
-        # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal (never exp of a positive number)
-        return T.exp2(T.Select(i >= j, (g_s[gs, i] - g_s[gs, j]) * LOG2E, -T.infinity(acc)))
-
     @T.macro
     def colsum(x_f, part_s, vec_s, row, ta):
         # column sums of a [BT, BT] fp32 accumulator of the chunk warpgroup into vec_s[row] (fixed order)
@@ -189,10 +192,20 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             b_s[gs, ta] = gl[1]
 
     @T.macro
-    def make_ag(gs, a_s, g_s, b_s, ag_s):
-        # Ag = A o Gamma o beta_j, stored (the B operand of dv^T, the A operand of Vd)
+    def make_ag(gs, ta, a_s, g_s, b_s, ag_s, x_f, gi_f, gj_f, bj_f):
+        # the chunk warpgroup: Ag = A o Gamma o beta_j (the B operand of dv^T, the A operand of Vd) through the
+        # accumulator-layout fragment x_f, with the gates in registers; stored for the whole warpgroup
+        for i in T.Parallel(BT):
+            gi_f[i] = g_s[gs, i] * LOG2E
+        for j in T.Parallel(BT):
+            gj_f[j] = g_s[gs, j] * LOG2E
+            bj_f[j] = b_s[gs, j]
         for i, j in T.Parallel(BT, BT):
-            ag_s[i, j] = T.cast(T.cast(a_s[i, j], acc) * gamma(g_s, gs, i, j) * b_s[gs, j], dtype)
+            x_f[i, j] = (T.cast(a_s[i, j], acc) * T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
+                         * bj_f[j])
+        T.copy(x_f, ag_s)
+        T.fence_proxy_async()
+        T.sync_threads(2, 128)
 
     @T.prim_func
     def chunk_bwd_kernel(
@@ -223,16 +236,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             # ---- shared memory (one buffer of each input: the chunk warpgroup reloads a tile once its readers
             # release it)
             q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
+            kv_s = T.alloc_shared((2, BT, K), dtype)        # k of chunk cc in kv_s[cc % 2], its Vd in the other
             v_s = T.alloc_shared((BT, V), dtype)            # V, then W in place (state WGs)
             do_s = T.alloc_shared((BT, V), dtype)
             a_s = T.alloc_shared((BT, BT), dtype)
             h_s = T.alloc_shared((V, K), dtype)             # S0^T (state WGs only)
             ds_s = T.alloc_shared((V, K), dtype)            # dS1^T (state WGs only)
-            vd_s = T.alloc_shared((BT, V), dtype)           # Vd (chunk WG -> state WGs)
             dvd_s = T.alloc_shared((V, BT), dtype)          # dVd^T (state WGs -> chunk WG)
             du_s = T.alloc_shared((V, BT), dtype)           # dU^T (state WGs only)
-            pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then dAt + dAt^T (chunk WG -> state WGs)
+            pg_s = T.alloc_shared((BT, BT), dtype)          # Pg, then dAt (chunk WG -> state WGs)
             ag_s = T.alloc_shared((BT, BT), dtype)          # Ag, then dA = dAb o beta_j, then A^T dA
             dp_s = T.alloc_shared((BT, BT), dtype)          # dP (chunk WG -> state WGs)
             g_s = T.alloc_shared((2, BT), acc)              # G (rows past the end: G[len - 1]), two chunks
@@ -243,21 +255,22 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             wsum_s = T.alloc_shared((NW,), acc)             # the state warps' parts of e_L <dS1, S0>
             asum_s = T.alloc_shared((NW,), acc)             # the state warps' parts of the R-term total
 
-            # the chunk warpgroup fills every input (TMA issued by its warp 0, then all 128 arrive); every other
-            # barrier's count is the threads of the role that arrives on it
-            full_k = T.alloc_barrier([128])
-            full_qh = T.alloc_barrier([128])
+            # k, q, S0^T and dO: the first chunk's from the chunk warpgroup's set-up, the others issued by the state
+            # warpgroups as they release the tiles; the issuing warp arrives (its warp 0: the chunk warpgroup's or
+            # the first state warpgroup's). v, A and the gates: the chunk warpgroup (TMA issued by its warp 0, then
+            # all 128 arrive). Every other barrier's count is the threads of the role that arrives on it.
+            full_k = T.alloc_barrier([32])
+            full_qh = T.alloc_barrier([32])
             full_va = T.alloc_barrier([128])
-            full_do = T.alloc_barrier([128])
+            full_do = T.alloc_barrier([32])
             full_g = T.alloc_barrier([128, 128])
             first = T.alloc_barrier([32])                  # the first chunk's TMA (its ragged rows are zeroed after)
             prep_ready = T.alloc_barrier([128])             # Ag, Pg stored
             w_ready = T.alloc_barrier([ST])                 # W stored
             dp_ready = T.alloc_barrier([128])               # Vd, dP stored
             dvd_ready = T.alloc_barrier([ST])               # dVd^T stored, the dv^T product (reads Ag) complete
-            dat_ready = T.alloc_barrier([128])              # dAt + dAt^T and the chunk WG's sums stored
-            qh_free = T.alloc_barrier([ST])                 # q, S0^T, dO released
-            dk_done = T.alloc_barrier([ST])                 # k, Vd, dP, dAt + dAt^T released
+            dat_ready = T.alloc_barrier([128])              # dAt and the chunk WG's sums stored
+            dk_done = T.alloc_barrier([ST])                 # k, dP, dAt released
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
@@ -316,17 +329,20 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         ln = T.min(eos - t0, BT)
                         ph = cc % 2
                         gs = cc % 2
+                        kb = cc % 2
                         T.barrier_wait(full_k[0], ph)
                         mark(cc, "s.k")
                         # ---- U = K S0 first (W is the chunk WG's next need), dS1^T to shared under it (ds_s and
                         # du_s were last read before the previous dk_done), X^T = dS1^T K^T ----
                         T.barrier_wait(full_qh[0], ph)
                         T.barrier_wait(full_g[gs], (cc // 2) % 2)
-                        T.wgmma_gemm(k_s, h_s, u_f, transpose_B=True, clear_accum=True, policy=FULL_COL)   # U = K S0
+                        # U = K S0
+                        T.wgmma_gemm(kv_s[kb, :, :], h_s, u_f, transpose_B=True, clear_accum=True, policy=FULL_COL)
                         T.copy(ds_f, ds_s)                                               # dS1^T in q's dtype
                         T.fence_proxy_async()
                         T.sync_threads(1, ST)
-                        T.wgmma_gemm(ds_s, k_s, x_f, transpose_B=True, clear_accum=True, policy=FULL_ROW)  # X^T = dS1^T K^T
+                        # X^T = dS1^T K^T
+                        T.wgmma_gemm(ds_s, kv_s[kb, :, :], x_f, transpose_B=True, clear_accum=True, policy=FULL_ROW)
                         T.wait_wgmma(1)                                                  # U
                         # ---- W = V - D U over V in place, this warpgroup's columns ----
                         T.barrier_wait(full_va[0], ph)
@@ -348,7 +364,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.barrier_wait(prep_ready[0], ph)
                         mark(cc, "s.prep")
                         # ---- dVd^T = X^T R + dO^T Pg, dv^T = dVd^T Ag ----
-                        T.wgmma_gemm(do_s, pg_s, y_f, transpose_A=True, clear_accum=True, policy=FULL_ROW)  # Y^T = dO^T Pg
+                        # Y^T = dO^T Pg
+                        T.wgmma_gemm(do_s, pg_s, y_f, transpose_A=True, clear_accum=True, policy=FULL_ROW)
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(V, BT):
                             dvd_f[i, j] = T.cast(x_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, j]) * LOG2E)
@@ -372,7 +389,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         # chunk_dstate repeats this accumulation sequence (and dVd^T's X^T R + Y^T form): its F is this
                         # dh0 bit for bit only with the same order (docs/dev/chunk_bwd.md)
                         T.wgmma_gemm(dos_f, q_s, ds_f, policy=FULL_ROW)                  # dS0^T += (scale D dO)^T Q
-                        T.wgmma_gemm(du_f, k_s, ds_f, policy=FULL_ROW)                   # dS0^T += dU^T K
+                        T.wgmma_gemm(du_f, kv_s[kb, :, :], ds_f, policy=FULL_ROW)                   # dS0^T += dU^T K
                         T.wgmma_gemm(do_s, h_s, dq_f, clear_accum=True, policy=FULL_COL)  # dO S0^T
                         tsum[0] = T.warp_reduce_sum(tsum[0] * el)
                         if tx % 32 == 0:
@@ -383,11 +400,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             rq_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], acc)
                         rowsum_part(rq_f, rs_s, 0, wg, tx)                               # rowsum(Q o scale D dO S0^T)
                         mark(cc, "s.ds0")
-                        # ---- dq += dP K; dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + (dAt + dAt^T) K ----
+                        # ---- dq += dP K; dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + dAt K + dAt^T K ----
                         T.barrier_wait(dp_ready[0], ph)
                         mark(cc, "s.dp")
-                        T.wgmma_gemm(dp_s, k_s, dq_f, policy=FULL_COL)                   # dq += dP K
-                        T.wgmma_gemm(vd_s, ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
+                        T.wgmma_gemm(dp_s, kv_s[kb, :, :], dq_f, policy=FULL_COL)                   # dq += dP K
+                        T.wgmma_gemm(kv_s[1 - kb, :, :], ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
                         T.wait_wgmma(1)                                                  # dq
                         T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dq_f.data,
                                       T.address_of(dq[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
@@ -395,7 +412,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         asum[0] = 0.0
                         for i, j in T.Parallel(BT, K):
                             dk_f[i, j] = dk_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, i]) * LOG2E)
-                            rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
+                            rk_f[i, j] = dk_f[i, j] * T.cast(kv_s[kb, i, j], acc)
                             asum[0] = asum[0] + rk_f[i, j]
                         rowsum_part(rk_f, rs_s, 1, wg, tx)                               # rowsum(K o R o (Vd dS1^T))
                         T.sync_threads(1, ST)                                            # every warpgroup's dU^T
@@ -405,16 +422,28 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             asum_s[tx // 32] = asum[0]
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(BT, K):
-                            rk_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], acc)
+                            rk_f[i, j] = dk_f[i, j] * T.cast(kv_s[kb, i, j], acc)
                         rowsum_part(rk_f, rs_s, 2, wg, tx)                               # ... + rowsum(dU o U)
                         T.wgmma_gemm(dp_s, q_s, dk_f, transpose_A=True, policy=FULL_COL)  # dk += dP^T Q
                         T.wait_wgmma(0)
-                        T.barrier_arrive(qh_free[0])
                         T.sync_threads(1, ST)                                            # the row sums' parts
+                        if c > 0:
+                            # q, S0^T, dO and the Vd tile are released (the chunk WG read q, dO and Vd before
+                            # dp_ready): the previous chunk's k into this chunk's Vd tile, its q, S0^T, dO
+                            if tx < 32:
+                                T.tma_copy(k[0, t0 - BT:t0, i_h, 0:K], kv_s[1 - kb, :, :], barrier=full_k[0])
+                                T.tma_copy(q[0, t0 - BT:t0, i_h, 0:K], q_s, barrier=full_qh[0])
+                                T.tma_copy(h[T.cast(slot0 + c - 1, "int64"), i_hv, 0:V, 0:K], h_s,
+                                           barrier=full_qh[0])
+                                T.tma_copy(do[0, t0 - BT:t0, i_hv, 0:V], do_s, barrier=full_do[0])
+                                T.barrier_arrive(full_k[0])
+                                T.barrier_arrive(full_qh[0])
+                                T.barrier_arrive(full_do[0])
                         mark(cc, "s.dk")
                         T.barrier_wait(dat_ready[0], ph)
                         mark(cc, "s.dat")
-                        T.wgmma_gemm(pg_s, k_s, dk_f, policy=FULL_COL)                   # dk += (dAt + dAt^T) K
+                        T.wgmma_gemm(pg_s, kv_s[kb, :, :], dk_f, policy=FULL_COL)                   # dk += dAt K
+                        T.wgmma_gemm(pg_s, kv_s[kb, :, :], dk_f, transpose_A=True, policy=FULL_COL)  # dk += dAt^T K
                         T.wait_wgmma(0)
                         T.barrier_arrive(dk_done[0])
                         T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dk_f.data,
@@ -455,6 +484,13 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     dl_f = T.alloc_fragment((BT, BT), acc)
                     rbt_f = T.alloc_fragment((BT, BT), acc)
                     gam_f = T.alloc_fragment((BT, BT), acc)         # Gamma, from Pg's pass to dA's
+                    # the gates of this thread's rows (i) and columns (j), loaded into registers before each pass
+                    # that reads them (read from shared memory per element, they are reloaded after every store:
+                    # the compiler cannot tell the tiles apart)
+                    gi_f = T.alloc_fragment((BT,), acc)             # G_i log2(e)
+                    gj_f = T.alloc_fragment((BT,), acc)             # G_j log2(e)
+                    bi_f = T.alloc_fragment((BT,), acc)             # beta_i
+                    bj_f = T.alloc_fragment((BT,), acc)             # beta_j
                     red_m = T.alloc_fragment((BT,), acc)
                     red_l = T.alloc_fragment((BT,), acc)
                     gl = T.alloc_local((2,), acc)                   # the next chunk's G and beta of row ta
@@ -464,8 +500,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         t0 = bos + cl * BT
                         ln = T.min(eos - t0, BT)
                         if ta < 32:
+                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], kv_s[0, :, :], barrier=first[0])
                             T.tma_copy(q[0, t0:t0 + BT, i_h, 0:K], q_s, barrier=first[0])
-                            T.tma_copy(k[0, t0:t0 + BT, i_h, 0:K], k_s, barrier=first[0])
                             T.tma_copy(v[0, t0:t0 + BT, i_hv, 0:V], v_s, barrier=first[0])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s, barrier=first[0])
                             T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=first[0])
@@ -478,7 +514,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             for i, j in T.Parallel(BT, K):
                                 if i >= ln:
                                     q_s[i, j] = T.cast(0, dtype)
-                                    k_s[i, j] = T.cast(0, dtype)
+                                    kv_s[0, i, j] = T.cast(0, dtype)
                             for i, j in T.Parallel(BT, V):
                                 if i >= ln:
                                     v_s[i, j] = T.cast(0, dtype)
@@ -487,46 +523,63 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                 if i >= ln:
                                     a_s[i, j] = T.cast(0, dtype)
                         T.fence_proxy_async()
-                        T.barrier_arrive(full_k[0])
-                        T.barrier_arrive(full_qh[0])
+                        T.sync_threads(2, 128)                                              # the zeroed rows, gates
+                        make_ag(0, ta, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
+                        if ta < 32:
+                            T.barrier_arrive(full_k[0])
+                            T.barrier_arrive(full_qh[0])
+                            T.barrier_arrive(full_do[0])
                         T.barrier_arrive(full_va[0])
-                        T.barrier_arrive(full_do[0])
                         T.barrier_arrive(full_g[0])
-                        T.sync_threads(2, 128)                                              # A's zeroed rows, gates
-                        make_ag(0, a_s, g_s, b_s, ag_s)
                     for cc in T.serial(NT):
                         c = NT - 1 - cc
                         t0 = bos + c * BT
                         ln = T.min(eos - t0, BT)
                         ph = cc % 2
                         gs = cc % 2
+                        kb = cc % 2
                         T.barrier_wait(full_k[0], ph)
                         T.barrier_wait(full_qh[0], ph)
                         mark(cc, "a.k")
-                        if c > 0:
-                            load_gates(c - 1, bos, eos, i_hv, ta, g, beta, gl)             # stored after dat_ready
-                        # ---- P = Q K^T, Pg (Ag is stored: the previous chunk's end or the set-up) ----
-                        T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)    # P = Q K^T
+                        # ---- P = Q K^T, Pg (pg_s and dp_s are free once the previous chunk's dk is complete) ----
+                        T.wgmma_gemm(q_s, kv_s[kb, :, :], p_f, transpose_B=True, clear_accum=True)    # P = Q K^T
                         T.wait_wgmma(0)
                         mark(cc, "a.qk")
+                        if cc > 0:
+                            T.barrier_wait(dk_done[0], ph ^ 1)
+                        mark(cc, "a.dkd")
+                        for i in T.Parallel(BT):
+                            gi_f[i] = g_s[gs, i] * LOG2E
+                        for j in T.Parallel(BT):
+                            gj_f[j] = g_s[gs, j] * LOG2E
                         for i, j in T.Parallel(BT, BT):
-                            gam_f[i, j] = gamma(g_s, gs, i, j)           # one exp2: dP and dA reuse it
+                            # Gamma_ij = exp(G_i - G_j) for i >= j, exactly 0 above the diagonal; one exp2 per
+                            # element, reused by dP and dA
+                            gam_f[i, j] = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
                             pg_s[i, j] = T.cast(p_f[i, j] * gam_f[i, j] * scale, dtype)
                         T.fence_proxy_async()
-                        T.sync_threads(2, 128)                                              # (covers Ag too)
+                        T.sync_threads(2, 128)
                         T.barrier_arrive(prep_ready[0])
                         mark(cc, "a.prep")
-                        # ---- Vd = Ag W, dPg = dO Vd^T, Mx's first term, dP ----
+                        # ---- the previous chunk's gates by plain loads under the wait for W (an outstanding load at
+                        # a wgmma's fence would stall it); that gate buffer's readers are done. Then Vd = Ag W,
+                        # dPg = dO Vd^T, Mx's first term, dP ----
+                        if c > 0:
+                            load_gates(c - 1, bos, eos, i_hv, ta, g, beta, gl)
                         T.barrier_wait(w_ready[0], ph)
                         mark(cc, "a.w")
+                        if c > 0:
+                            store_gates((cc + 1) % 2, ta, gl, g_s, b_s)
+                            T.barrier_arrive(full_g[(cc + 1) % 2])
+                        mark(cc, "a.g")
                         T.wgmma_gemm(ag_s, v_s, vd_f, clear_accum=True)                    # Vd = Ag W
                         T.wait_wgmma(0)
-                        T.copy(vd_f, vd_s)
+                        T.copy(vd_f, kv_s[1 - kb, :, :])
                         T.fence_proxy_async()
                         T.sync_threads(2, 128)
                         mark(cc, "a.vd")
                         T.barrier_wait(full_do[0], ph)
-                        T.wgmma_gemm(do_s, vd_s, x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T
+                        T.wgmma_gemm(do_s, kv_s[1 - kb, :, :], x_f, transpose_B=True, clear_accum=True)  # dPg = dO Vd^T
                         T.wait_wgmma(0)
                         mark(cc, "a.dpg")
                         for i, j in T.Parallel(BT, BT):
@@ -544,14 +597,16 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         mark(cc, "a.dvd")
                         T.wgmma_gemm(dvd_s, v_s, dag_f, transpose_A=True, transpose_B=True,
                                      clear_accum=True)                                  # dAg = dVd W^T
-                        T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)   # K K^T
+                        T.wgmma_gemm(kv_s[kb, :, :], kv_s[kb, :, :], kk_f, transpose_B=True, clear_accum=True)   # K K^T
                         T.wait_wgmma(0)
                         mark(cc, "a.dag")
+                        for j in T.Parallel(BT):
+                            bj_f[j] = b_s[gs, j]
                         for i, j in T.Parallel(BT, BT):
                             dab = gam_f[i, j] * dag_f[i, j]
-                            ag_s[i, j] = T.cast(dab * b_s[gs, j], dtype)                   # dA
+                            ag_s[i, j] = T.cast(dab * bj_f[j], dtype)                      # dA
                             daba_f[i, j] = dab * T.cast(a_s[i, j], acc)
-                            mx_f[i, j] = daba_f[i, j] * b_s[gs, j]                         # dAb o A o beta_j
+                            mx_f[i, j] = daba_f[i, j] * bj_f[j]                            # dAb o A o beta_j
                         T.fence_proxy_async()
                         colsum(daba_f, part_s, vec_s, 2, ta)                                # (its barrier covers dA)
                         mark(cc, "a.da")
@@ -577,47 +632,27 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                 T.tma_copy(A[0, t0 - BT:t0, i_hv, 0:BT], a_s, barrier=full_va[0])
                             T.barrier_arrive(full_va[0])
                         mark(cc, "a.vload")
+                        # dL (strictly lower), rowsum(dL o K K^T), and dAt = diag(beta) dL stored whole (zero on and
+                        # above the diagonal; the state WGs add dAt K and dAt^T K). Pg was last read by Y^T, before
+                        # dvd_ready.
+                        for i in T.Parallel(BT):
+                            bi_f[i] = b_s[gs, i]
                         for i, j in T.Parallel(BT, BT):
                             dl_f[i, j] = T.Select(i > j, -dl_f[i, j], 0.0)
                             rbt_f[i, j] = dl_f[i, j] * kk_f[i, j]
+                            pg_s[i, j] = T.cast(bi_f[i] * dl_f[i, j], dtype)
                         T.reduce_sum(rbt_f, red_l, dim=1)
                         for i in T.Parallel(BT):
                             vec_s[3, i] = red_l[i]
-                        mark(cc, "a.rbt")
-                        # dAt + dAt^T, dAt = diag(beta) dL strictly lower: each entry is one of the two terms (Pg
-                        # was last read by Y^T, before dvd_ready)
-                        for i, j in T.Parallel(BT, BT):
-                            if i > j:
-                                pg_s[i, j] = T.cast(b_s[gs, i] * dl_f[i, j], dtype)
-                                pg_s[j, i] = T.cast(b_s[gs, i] * dl_f[i, j], dtype)
-                            elif i == j:
-                                pg_s[i, j] = T.cast(0, dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(dat_ready[0])
                         mark(cc, "a.inv")
                         if c > 0:
-                            # ---- the previous chunk's gates, q, S0^T and dO (their readers have released them),
-                            # then k once dk is complete, and the previous chunk's Ag under k's load ----
-                            store_gates((cc + 1) % 2, ta, gl, g_s, b_s)
-                            T.barrier_wait(qh_free[0], ph)
-                            if ta < 32:
-                                T.tma_copy(q[0, t0 - BT:t0, i_h, 0:K], q_s, barrier=full_qh[0])
-                                T.tma_copy(h[T.cast(slot0 + c - 1, "int64"), i_hv, 0:V, 0:K], h_s,
-                                           barrier=full_qh[0])
-                                T.tma_copy(do[0, t0 - BT:t0, i_hv, 0:V], do_s, barrier=full_do[0])
-                            T.barrier_arrive(full_qh[0])
-                            T.barrier_arrive(full_do[0])
-                            T.barrier_arrive(full_g[(cc + 1) % 2])
-                            mark(cc, "a.load")
-                            T.barrier_wait(dk_done[0], ph)
-                            mark(cc, "a.done")
-                            if ta < 32:
-                                T.tma_copy(k[0, t0 - BT:t0, i_h, 0:K], k_s, barrier=full_k[0])
-                            T.barrier_arrive(full_k[0])
-                            T.sync_threads(2, 128)                                          # the gates
+                            # ---- the previous chunk's Ag (its A and gates are in; ag_s was last read by the
+                            # (A^T dA) A^T product) ----
                             T.barrier_wait(full_va[0], ph ^ 1)
                             mark(cc, "a.va")
-                            make_ag((cc + 1) % 2, a_s, g_s, b_s, ag_s)
+                            make_ag((cc + 1) % 2, ta, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
                             mark(cc, "a.ag")
 
     return chunk_bwd_kernel
@@ -652,8 +687,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
 
     Returns:
         ``dq, dk [1, T, HV, K]`` in q's dtype (per value head), ``dv [1, T, HV, V]`` in v's dtype,
-        ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs; no host
-        synchronisation.
+        ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of
+        (N + 1) * HV CTAs; no host synchronisation.
     """
     _, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

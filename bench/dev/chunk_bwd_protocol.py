@@ -22,7 +22,7 @@ def counts(nsw: int) -> dict:
     st = 128 * nsw
     c = dict(full_k=32, full_qh=32, full_va=A_THREADS, full_do=32, full_g0=A_THREADS,
              full_g1=A_THREADS, first=32, prep_ready=A_THREADS, dp_ready=A_THREADS, dat_ready=A_THREADS,
-             w_ready=st, dvd_ready=st, dk_done=st)
+             w_ready=st, dvd_ready=st, dk_done=st, rows_ready=st)
     return c
 
 
@@ -80,6 +80,7 @@ def state_role(NT, w, nsw):
         yield rd(k, ("k", cc)); yield wr("rs_k2", cc, w)
         yield rd("dp", cc); yield rd("q", cc)                         # dk += dP^T Q
         yield ("sync", "bar1")
+        yield ("arrive", "rows_ready", 128)
         if w == 0 and cc < NT - 1:
             # its warp 0: the next chunk's k into this chunk's Vd tile, q, S0^T, dO
             yield ("tma", vd, ("k", cc + 1), "full_k"); yield ("tma", "q", cc + 1, "full_qh")
@@ -90,9 +91,6 @@ def state_role(NT, w, nsw):
         yield rd("pg", ("dAt", cc)); yield rd(k, ("k", cc))           # dk += (dAt + dAt^T) K issued
         yield rd("pg", ("dAt", cc)); yield rd(k, ("k", cc))           # complete
         yield ("arrive", "dk_done", 128)
-        if w == 0:
-            for b in ("rs_q", "rs_k1", "rs_k2", "asum", "wsum", "vec"):
-                yield rd(b, cc)                                       # the rows
 
 
 def chunk_role(NT):
@@ -143,6 +141,9 @@ def chunk_role(NT):
         if c > 0:
             yield wait("full_va", cc + 1, ph ^ 1)
             yield rd("a", cc + 1); yield rd(f"g{(cc + 1) % 2}", cc + 1); yield wr("ag", ("Ag", cc + 1))
+        yield wait("rows_ready", cc, ph)
+        for b in ("rs_q", "rs_k1", "rs_k2", "asum", "wsum", "vec"):
+            yield rd(b, cc)                                           # the rows
 
 
 class Model:

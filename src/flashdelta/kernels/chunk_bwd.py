@@ -29,20 +29,20 @@ Two roles (V / 64 + 1 warpgroups, mbarrier hand-offs, no CTA-wide barrier after 
   computes columns [64 w, 64 w + 64)). Per chunk: U = K S0 and W = V - D U (stored over V), dS1^T to shared,
   X^T = dS1^T K^T, Y^T = dO^T Pg, dVd^T = X^T R + Y^T (to shared), dv^T = dVd^T Ag (register A operand), dv stored,
   dU^T = -dv^T D, dS0^T = e_L dS1^T + dU^T K + (scale D dO)^T Q (register A operands), the e_L <dS1, S0> part of dG;
-  then dq = scale D dO S0^T + dP K and dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + dAt K + dAt^T K with dG's row terms
-  read off their accumulators, and the rows of dG and dbeta. Once dk's third product is complete they have released
+  then dq = scale D dO S0^T + dP K and dk = R o (Vd dS1^T) + dU S0^T + dP^T Q + dAt K + dAt^T K with their parts
+  of dG's row terms read off the accumulators (rows_ready). Once dk's third product is complete they have released
   q, S0^T, dO and this chunk's Vd tile, and the first state warpgroup's warp 0 issues the previous chunk's k (into
   that Vd tile), q, S0^T and dO by TMA.
 - **chunk warpgroup**: the first chunk's loads (its ragged rows zeroed before the arrivals), v and A (reloaded
   once the inverse has consumed them) and the gates (plain loads under its wait for W); P, Gamma, Pg, Vd, dPg, dP,
   Mx's sums; once the chain has produced dVd^T: dAg, K K^T, dA, the inverse's A^T dA A^T, dbeta's and dG's row and
-  column sums, dAt; then the next chunk's Ag.
+  column sums, dAt; then the next chunk's Ag and this chunk's dG and dbeta rows.
 
 k and Vd share a two-tile ring (K = V): chunk cc's k is tile cc % 2 and its Vd the other, so the next k loads while
 dk's last two products still read this one, and the chunk warpgroup waits for dk_done only before it overwrites
 Pg and dP. The per-chunk critical path: P, Pg (chunk) and U, W (state) -> Vd, dPg, dP (chunk), with dVd^T (state)
 ready by then -> the inverse's dAt (chunk) -> dk's last products (state); the next chunk's k, q, S0^T and dO load
-under the inverse, its Ag under the state warpgroups' dk and rows.
+under the inverse, its Ag and this chunk's rows under the state warpgroups' last dk products and stores.
 
 Every per-row or per-column gate factor of an element-wise pass is loaded into a register vector first: read from
 shared memory per element, it would be reloaded after every store to shared memory (one dynamic buffer holds every
@@ -100,7 +100,7 @@ TABLE = timeline.Table(
         "s.dp": "wait dp_ready (chunk WG)",
         "s.dk": "dP K, Vd dS1^T; dq stored; dU S0^T, dP^T Q, dk's row sums; the next k, q, S0^T, dO issued",
         "s.dat": "wait dat_ready (chunk WG)",
-        "s.end": "dAt K + dAt^T K; dk_done arrived; dk stored; dG and dbeta rows",
+        "s.end": "dAt K + dAt^T K; dk_done arrived; dk stored",
         "a.k": "wait full_k, full_qh (the TMA of k, q, S0^T)",
         "a.qk": "P = Q K^T complete",
         "a.dkd": "wait dk_done of the previous chunk (state WGs)",
@@ -119,6 +119,7 @@ TABLE = timeline.Table(
         "a.inv": "dL masked, dAt stored, rowsum(dL o K K^T); dat_ready arrived",
         "a.va": "wait full_va (the next v, A)",
         "a.ag": "the next chunk's Ag stored",
+        "a.rows": "wait rows_ready (state WGs); dG and dbeta rows stored",
     },
     ctas=8, steps=32, value="NT")
 
@@ -271,6 +272,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             dvd_ready = T.alloc_barrier([ST])               # dVd^T stored, the dv^T product (reads Ag) complete
             dat_ready = T.alloc_barrier([128])              # dAt and the chunk WG's sums stored
             dk_done = T.alloc_barrier([ST])                 # k, dP, dAt released
+            rows_ready = T.alloc_barrier([ST])              # the state WGs' parts of the dG rows stored
 
             if i_n == N_:
                 # padding tail [cu_seqlens[N], T): every gradient of this value head is 0
@@ -311,7 +313,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     rk_f = T.alloc_fragment((BT, K), acc)
                     tsum = T.alloc_local((1,), acc)
                     asum = T.alloc_local((1,), acc)
-                    tot = T.alloc_local((1,), acc)
                     mark.start()
                     mark.value(NT)
                     if has_dht:
@@ -427,6 +428,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(dp_s, q_s, dk_f, transpose_A=True, policy=FULL_COL)  # dk += dP^T Q
                         T.wait_wgmma(0)
                         T.sync_threads(1, ST)                                            # the row sums' parts
+                        T.barrier_arrive(rows_ready[0])
                         if c > 0:
                             # q, S0^T, dO and the Vd tile are released (the chunk WG read q, dO and Vd before
                             # dp_ready): the previous chunk's k into this chunk's Vd tile, its q, S0^T, dO
@@ -448,20 +450,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.barrier_arrive(dk_done[0])
                         T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dk_f.data,
                                       T.address_of(dk[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
-                        # ---- rows: dG (the last real row also gets e_L <dS1, S0> and the R-term total), dbeta.
-                        # Their inputs are rewritten only after this warpgroup's next w_ready and bar.sync ----
-                        if tx < BT:
-                            tot[0] = 0.0
-                            for w in T.serial(NW):
-                                tot[0] = tot[0] + asum_s[w]
-                            for w in T.serial(NW):
-                                tot[0] = tot[0] + wsum_s[w]
-                            if tx < ln:
-                                r64 = T.cast(t0 + tx, "int64")
-                                dg[0, r64, i_hv] = (parts(rs_s, 0, tx) + vec_s[0, tx] - vec_s[1, tx] + vec_s[4, tx]
-                                                    - vec_s[5, tx] + parts(rs_s, 2, tx) - 2.0 * parts(rs_s, 1, tx)
-                                                    + T.if_then_else(tx == ln - 1, tot[0], 0.0))
-                                dbeta[0, r64, i_hv] = vec_s[2, tx] + vec_s[3, tx]
                         mark(cc, "s.end")
                     if state_v_first:
                         for i, j in T.Parallel(V, K):
@@ -494,6 +482,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     red_m = T.alloc_fragment((BT,), acc)
                     red_l = T.alloc_fragment((BT,), acc)
                     gl = T.alloc_local((2,), acc)                   # the next chunk's G and beta of row ta
+                    tot = T.alloc_local((1,), acc)
                     if NT > 0:
                         # the last chunk's tiles and gates; rows past the sequence end are zeroed before the arrivals
                         cl = NT - 1
@@ -654,6 +643,23 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             mark(cc, "a.va")
                             make_ag((cc + 1) % 2, ta, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
                             mark(cc, "a.ag")
+                        # ---- rows: dG (the last real row also gets e_L <dS1, S0> and the R-term total), dbeta. The
+                        # state WGs rewrite their parts only after the next prep_ready ----
+                        T.sync_threads(2, 128)                                              # vec_s
+                        T.barrier_wait(rows_ready[0], ph)
+                        if ta < BT:
+                            tot[0] = 0.0
+                            for w in T.serial(NW):
+                                tot[0] = tot[0] + asum_s[w]
+                            for w in T.serial(NW):
+                                tot[0] = tot[0] + wsum_s[w]
+                            if ta < ln:
+                                r64 = T.cast(t0 + ta, "int64")
+                                dg[0, r64, i_hv] = (parts(rs_s, 0, ta) + vec_s[0, ta] - vec_s[1, ta] + vec_s[4, ta]
+                                                    - vec_s[5, ta] + parts(rs_s, 2, ta) - 2.0 * parts(rs_s, 1, ta)
+                                                    + T.if_then_else(ta == ln - 1, tot[0], 0.0))
+                                dbeta[0, r64, i_hv] = vec_s[2, ta] + vec_s[3, ta]
+                        mark(cc, "a.rows")
 
     return chunk_bwd_kernel
 

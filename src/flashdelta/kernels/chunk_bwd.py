@@ -179,14 +179,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         T.call_extern("handle", f"fd_rowsum64_part<{KC}>", x_f.data, T.address_of(rs_s[q, wg, 0]), tx)
 
     @T.macro
-    def load_gates(c, bos, eos, i_hv, ta, g, beta, gl):
-        # chunk c's G and beta of row ta (ta < BT) into registers (rows past the end: G[len - 1] and beta = 0)
-        t0 = bos + c * BT
-        if ta < BT:
-            gl[0] = g[0, T.cast(T.min(t0 + ta, eos - 1), "int64"), i_hv]
-            gl[1] = T.if_then_else(t0 + ta < eos, T.cast(beta[0, T.cast(t0 + ta, "int64"), i_hv], acc), 0.0)
-
-    @T.macro
     def store_gates(gs, ta, gl, g_s, b_s):
         if ta < BT:
             g_s[gs, ta] = gl[0]
@@ -496,7 +488,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             T.tma_copy(do[0, t0:t0 + BT, i_hv, 0:V], do_s, barrier=first[0])
                             T.tma_copy(h[T.cast(slot0 + cl, "int64"), i_hv, 0:V, 0:K], h_s, barrier=first[0])
                             T.barrier_arrive(first[0])
-                        load_gates(cl, bos, eos, i_hv, ta, g, beta, gl)
+                        fetch_gates(cl, bos, eos, i_hv, ta, g, beta, gl)
                         store_gates(0, ta, gl, g_s, b_s)
                         T.barrier_wait(first[0], 0)
                         if ln < BT:
@@ -554,7 +546,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         # a wgmma's fence would stall it); that gate buffer's readers are done. Then Vd = Ag W,
                         # dPg = dO Vd^T, Mx's first term, dP ----
                         if c > 0:
-                            load_gates(c - 1, bos, eos, i_hv, ta, g, beta, gl)
+                            fetch_gates(c - 1, bos, eos, i_hv, ta, g, beta, gl)
                         T.barrier_wait(w_ready[0], ph)
                         mark(cc, "a.w")
                         if c > 0:

@@ -185,7 +185,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             b_s[gs, ta] = gl[1]
 
     @T.macro
-    def make_ag(gs, ta, a_s, g_s, b_s, ag_s, x_f, gi_f, gj_f, bj_f):
+    def make_ag(gs, a_s, g_s, b_s, ag_s, x_f, gi_f, gj_f, bj_f):
         # the chunk warpgroup: Ag = A o Gamma o beta_j (the B operand of dv^T, the A operand of Vd) through the
         # accumulator-layout fragment x_f, with the gates in registers; stored for the whole warpgroup
         for i in T.Parallel(BT):
@@ -505,7 +505,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                                     a_s[i, j] = T.cast(0, dtype)
                         T.fence_proxy_async()
                         T.sync_threads(2, 128)                                              # the zeroed rows, gates
-                        make_ag(0, ta, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
+                        make_ag(0, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
                         if ta < 32:
                             T.barrier_arrive(full_k[0])
                             T.barrier_arrive(full_qh[0])
@@ -633,7 +633,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             # (A^T dA) A^T product) ----
                             T.barrier_wait(full_va[0], ph ^ 1)
                             mark(cc, "a.va")
-                            make_ag((cc + 1) % 2, ta, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
+                            make_ag((cc + 1) % 2, a_s, g_s, b_s, ag_s, x2_f, gi_f, gj_f, bj_f)
                             mark(cc, "a.ag")
                         # ---- rows: dG (the last real row also gets e_L <dS1, S0> and the R-term total), dbeta. The
                         # state WGs rewrite their parts only after the next prep_ready ----

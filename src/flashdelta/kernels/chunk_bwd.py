@@ -48,15 +48,19 @@ Every per-row or per-column gate factor of an element-wise pass is loaded into a
 shared memory per element, it would be reloaded after every store to shared memory (one dynamic buffer holds every
 tile, so the compiler cannot tell them apart).
 
-Row sums are fragment reductions (a wgmma accumulator row lives in one quad; a state warpgroup's part of a row goes
-to shared memory and the parts are added in warpgroup order, `_ptx.ROWSUM_PRELUDE`); column sums go through
-per-warp shuffles (`_ptx.COLSUM_PRELUDE`) and a fixed-order add, so every gradient is deterministic. rowsum(dU o U)
-is rowsum(K o (dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt (strictly lower) is
-stored whole with zeros on and above the diagonal, and dk adds dAt K and dAt^T K. The gate path (Gamma, R, D, the
-dG and dbeta reductions) is fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from
-the fp32 accumulators; the GVA group sum follows in fp32: half the bytes of fp32 written here and read there, and
-half the backward's largest buffers), dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq,
-dk and dv through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`, `_ptx.STORE_DVT_PRELUDE`).
+Row sums are fragment reductions (a wgmma accumulator row lives in one quad; a state warpgroup's part of a row goes to
+shared memory and the parts are added in warpgroup order, `_ptx.ROWSUM_PRELUDE`); column sums go through per-warp
+shuffles (`_ptx.COLSUM_PRELUDE`) and a fixed-order add, so every gradient is deterministic. rowsum(dU o U) is rowsum(K o
+(dU S0^T)), read off dk's accumulator before and after its dU S0^T term; dAt (strictly lower) is stored whole with zeros
+on and above the diagonal, and dk adds dAt K and dAt^T K. The gate path (Gamma, R, D, the dG and dbeta reductions) is
+fp32 throughout. dq and dk are written per value head in q's dtype (rounded once from the fp32 accumulators; the GVA
+group sum follows in fp32: half the bytes of fp32 written here and read there, and half the backward's largest buffers),
+dv in v's dtype, dbeta and dG in fp32, dh0 in fp32 in the state layout; dq and dk of a full chunk are staged in dS1^T's
+tile (free from dk's Vd dS1^T product to the next chunk's dS1^T) and written by TMA stores that thread 0 issues and
+waits for before that tile is written again: per-thread stores had held the state warpgroups ~20% of their time (their
+stalls queued the reloads of spilled addresses behind them). A ragged chunk's dq and dk (rows past it belong to the next
+sequence), and dv, go by plain stores through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`,
+`_ptx.STORE_DVT_PRELUDE`).
 bench/dev/chunk_bwd_protocol.py models the synchronisation (barrier counts, parities, every tile's reads against
 its writes).
 
@@ -177,6 +181,23 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     def rowsum_part(x_f, rs_s, q, wg, tx):
         # this state warpgroup's part of the row sums of a [BT, K] fp32 accumulator (its KC columns) into rs_s[q, wg]
         T.call_extern("handle", f"fd_rowsum64_part<{KC}>", x_f.data, T.address_of(rs_s[q, wg, 0]), tx)
+
+    @T.macro
+    def store_tile(x_f, dst, ds_s, r0, t0, ln, i_hv, wg, tx):
+        # the state warpgroups' [BT, K] fp32 accumulator (dq or dk) to dst rows [t0, t0 + ln) in q's dtype: a full
+        # chunk through rows [r0, r0 + BT) of ds_s (free until the next chunk's dS1^T) and one TMA store, issued
+        # by thread 0 and waited for before ds_s is written again; a ragged chunk (rows past it belong to the
+        # next sequence) by plain stores of its rows
+        if ln == BT:
+            T.copy(x_f, ds_s[r0:r0 + BT, :])
+            T.fence_proxy_async()
+            T.sync_threads(1, ST)
+            for w in range(NSW):
+                # one TMA store per 64 columns (a 128-byte-swizzled block of ds_s), each issued by thread 0
+                T.tma_copy(ds_s[r0:r0 + BT, w * KC:(w + 1) * KC], dst[0, t0:t0 + BT, i_hv, w * KC:(w + 1) * KC])
+        else:
+            T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", x_f.data,
+                          T.address_of(dst[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
 
     @T.macro
     def store_gates(gs, ta, gl, g_s, b_s):
@@ -331,6 +352,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.barrier_wait(full_g[gs], (cc // 2) % 2)
                         # U = K S0
                         T.wgmma_gemm(kv_s[kb, :, :], h_s, u_f, transpose_B=True, clear_accum=True, policy=FULL_COL)
+                        if tx == 0:
+                            T.tma_store_wait(0)        # the previous chunk's dq and dk stores have read ds_s
+                        T.sync_threads(1, ST)
                         T.copy(ds_f, ds_s)                                               # dS1^T in q's dtype
                         T.fence_proxy_async()
                         T.sync_threads(1, ST)
@@ -398,10 +422,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         mark(cc, "s.dp")
                         T.wgmma_gemm(dp_s, kv_s[kb, :, :], dq_f, policy=FULL_COL)                   # dq += dP K
                         T.wgmma_gemm(kv_s[1 - kb, :, :], ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
-                        T.wait_wgmma(1)                                                  # dq
-                        T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dq_f.data,
-                                      T.address_of(dq[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
-                        T.wait_wgmma(0)
+                        T.wait_wgmma(0)                                    # dq and Vd dS1^T: ds_s is free
+                        store_tile(dq_f, dq, ds_s, 0, t0, ln, i_hv, wg, tx)
                         asum[0] = 0.0
                         for i, j in T.Parallel(BT, K):
                             dk_f[i, j] = dk_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, i]) * LOG2E)
@@ -440,9 +462,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(pg_s, kv_s[kb, :, :], dk_f, transpose_A=True, policy=FULL_COL)  # dk += dAt^T K
                         T.wait_wgmma(0)
                         T.barrier_arrive(dk_done[0])
-                        T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", dk_f.data,
-                                      T.address_of(dk[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
+                        if V == BT:
+                            # one staging tile: dq's store has read it (issued long before)
+                            if tx == 0:
+                                T.tma_store_wait(0)
+                            T.sync_threads(1, ST)
+                        store_tile(dk_f, dk, ds_s, V - BT, t0, ln, i_hv, wg, tx)
                         mark(cc, "s.end")
+                    if tx == 0:
+                        T.tma_store_wait(0)            # the last stores have read ds_s before the CTA exits
                     if state_v_first:
                         for i, j in T.Parallel(V, K):
                             dh0[n64, i_hv, i, j] = ds_f[i, j]

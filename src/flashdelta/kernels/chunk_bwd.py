@@ -185,15 +185,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     @T.macro
     def store_tile(x_f, dst, ds_s, r0, t0, ln, i_hv, wg, tx):
         # the state warpgroups' [BT, K] fp32 accumulator (dq or dk) to dst rows [t0, t0 + ln) in q's dtype: a full
-        # chunk through rows [r0, r0 + BT) of ds_s (free until the next chunk's dS1^T) and one TMA store, issued
-        # by thread 0 and waited for before ds_s is written again; a ragged chunk (rows past it belong to the
+        # chunk through rows [r0, r0 + BT) of ds_s (free until the next chunk's dS1^T) and TMA stores issued by
+        # thread 0, which waits for them before ds_s is written again; a ragged chunk (rows past it belong to the
         # next sequence) by plain stores of its rows
         if ln == BT:
             T.copy(x_f, ds_s[r0:r0 + BT, :])
             T.fence_proxy_async()
             T.sync_threads(1, ST)
             for w in range(NSW):
-                # one TMA store per 64 columns (a 128-byte-swizzled block of ds_s), each issued by thread 0
+                # one TMA store per 64 columns: a [BT, K] region of ds_s is not one 128-byte-swizzled box
                 T.tma_copy(ds_s[r0:r0 + BT, w * KC:(w + 1) * KC], dst[0, t0:t0 + BT, i_hv, w * KC:(w + 1) * KC])
         else:
             T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", x_f.data,

@@ -92,13 +92,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
-    the backward. chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk
-    at chunk ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state
-    after the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
+    the backward, staged in shared memory and written by TMA stores under the chunk's first GEMM (`save_state`).
+    chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk at chunk
+    ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state after
+    the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
     written (context parallelism's warm-up windows, docs/algorithm.md §4.4). zero_v: the values are zero (context
     parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
     once. states_only: only the final state (context parallelism's M and E passes, whose o is discarded): no o is
-    computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs and no q loads.
+    computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs, no q loads and no q,
+    Pg or o tiles in shared memory.
     Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
@@ -154,16 +156,30 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             s_f[i, j] = s_f[i, j] * el
 
     @T.macro
-    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot, i_hv, v0):
+    def save_state(sb_f, hs_s, hs, slot, i_hv, v0, tx):
+        # S0^T (as the GEMMs read it) -> hs[slot] through hs_s by TMA stores that thread 0 issues; it waits for the
+        # previous chunk's stores to have read hs_s before the tile is written again (per-thread stores of the
+        # fragment stall the state chain behind them)
+        if tx == 0:
+            T.tma_store_wait(0)
+        T.sync_threads(2, 128)
+        T.copy(sb_f, hs_s)
+        T.fence_proxy_async()
+        T.sync_threads(2, 128)
+        for w in range(K // 64):
+            # one TMA store per 64 columns (a 128-byte-swizzled box is at most 64 two-byte columns wide)
+            T.tma_copy(hs_s[:, w * 64:(w + 1) * 64], hs[T.cast(slot, "int64"), i_hv, v0:v0 + BV, w * 64:(w + 1) * 64])
+
+    @T.macro
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot, i_hv, v0, tx):
         # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
         # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
         # is pending; on exit the Y Ae^T group is pending. With save_states S0^T (as the GEMMs read it) also goes to
-        # hs[slot].
+        # hs[slot] (`save_state`, under the Y GEMM).
         T.copy(s_f, sb_f)
-        if save_states:
-            for i, j in T.Parallel(BV, K):
-                hs[T.cast(slot, "int64"), i_hv, v0 + i, j] = sb_f[i, j]
         T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
+        if save_states:
+            save_state(sb_f, hs_s, hs, slot, i_hv, v0, tx)
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
         T.copy(y_f, yb_f)
@@ -209,7 +225,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         if ln < BT:
             for i, j in T.Parallel(BT, K):
                 if i >= ln:
-                    q_s[st, i, j] = T.cast(0, dtype)
+                    if not states_only:
+                        q_s[st, i, j] = T.cast(0, dtype)
                     k_s[st, i, j] = T.cast(0, dtype)
             for i, j in T.Parallel(BT, BV):
                 if i >= ln:
@@ -312,18 +329,20 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             v0 = i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
-            q_s = T.alloc_shared((NS, BT, K), dtype)
+            # states_only reads no q, forms no Pg and stages no o: those tiles are not allocated (None)
+            q_s = None if states_only else T.alloc_shared((NS, BT, K), dtype)
             k_s = T.alloc_shared((NS, BT, K), dtype)
             v_s = T.alloc_shared((NS, BT, BV), dtype)
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
             ae_s = T.alloc_shared((NP, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
-            pg_s = T.alloc_shared((NP, BT, BT), dtype)
+            pg_s = None if states_only else T.alloc_shared((NP, BT, BT), dtype)
             r_s = T.alloc_shared((NP, BT), acc)             # exp(G_last - G_t), 0 past the end
             dq_s = T.alloc_shared((NP, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((NP, 1), acc)             # exp(G_last)
-            o_s = T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
+            o_s = None if states_only else T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
+            hs_s = T.alloc_shared((BV, K), dtype) if save_states else None        # S0^T staging (save_states)
 
             full = T.alloc_barrier([64] * NS)        # load warp (32 arrivals + TMA bytes) and gate warp (32)
             empty = T.alloc_barrier([128] * NS)      # state WG releases the q/k part of a ring slot
@@ -389,7 +408,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         mark(0, "s.prep")
                         T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
                                      clear_accum=True)
-                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot0, i_hv, v0)
+                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot0, i_hv, v0, tx)
                         T.wait_wgmma(0)
                         mark(0, "s.vd_done")
                         T.barrier_arrive(empty_va[0])
@@ -406,8 +425,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                                          transpose_B=True, clear_accum=True)
                             T.wait_wgmma(1)
                             mark(c, "s.tail")
-                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs, slot0 + c + 1, i_hv,
-                                     v0)
+                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot0 + c + 1,
+                                     i_hv, v0, tx)
                             release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                             T.wait_wgmma(0)
                             mark(c + 1, "s.vd_done")
@@ -423,6 +442,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     else:
                         for i, j in T.Parallel(BV, K):
                             ht[n64, i_hv, j, v0 + i] = s_f[i, j]
+                    if save_states:
+                        if tx == 0:
+                            T.tma_store_wait(0)     # the last state's stores have read hs_s before the CTA exits
                     mark.end()
                 elif tx < 256:
                     # ================= prep warpgroup (state-independent work) =================
@@ -468,9 +490,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                             T.barrier_arrive(full[st])
                             mark(c, "l.issued")
                     elif tx < 320:
-                        if states_only:
-                            store_o_rows(o, o_s, o_full, o_empty, 0, bos, eos, i_hv, v0, tx - 288, mark)
-                        else:
+                        if not states_only:
                             store_o_rows(o, o_s, o_full, o_empty, NT, bos, eos, i_hv, v0, tx - 288, mark)
                     elif tx < 352:
                         # gate warp: g and beta rows by plain loads (a 64 x 1 column is below TMA's 16-byte box

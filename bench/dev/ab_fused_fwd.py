@@ -1,0 +1,94 @@
+"""A/B of fused_fwd variants on the benchmark's inputs: the backward's `state_recompute` (the states-only build that
+writes every chunk's state) and the forward `chunk_fwd`, each variant's outputs against the shipped kernel's
+(bitwise, else the largest absolute difference) and CUDA-graph medians, the variants interleaved in one process. A
+variant is a copy of kernels/fused_fwd.py (anywhere on disk, not committed), imported as a module of
+flashdelta.kernels:
+
+    git show main:src/flashdelta/kernels/fused_fwd.py > /tmp/fused_fwd_main.py
+    source .device/bootstrap.sh; python3 bench/dev/ab_fused_fwd.py --variant main=/tmp/fused_fwd_main.py \\
+        [--rows 16/32:6413+6673+10954+8728] [--precompile]
+
+--precompile (CPU machine, TILELANG_CACHE_DIR set) compiles every variant's builds for the rows and exits.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from ab_chunk_bwd import load_variant  # noqa: E402
+
+ROWS = ("16/32:6413+6673+10954+8728", "16/32:1x8192", "16/64:8192x4", "2/4:1x8192", "16/32:512x16")
+
+
+def _diff(x, y) -> str:
+    if torch.equal(x, y):
+        return "bitwise"
+    return f"max|d| {(x.float() - y.float()).abs().max().item():.1e}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a fused_fwd.py copy")
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), help="H/HV:seqlens")
+    ap.add_argument("--precompile", action="store_true")
+    args = ap.parse_args()
+    from flashdelta.kernels import fused_fwd
+    mods = {"shipped": fused_fwd}
+    for spec in args.variant:
+        name, path = spec.split("=", 1)
+        mods[name] = load_variant(name, path)
+    if args.precompile:
+        for row in args.rows:
+            h, hv = map(int, row.split(":")[0].split("/"))
+            for name, m in mods.items():
+                todo = m.state_recompute_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32,
+                                                initial_state=(True,))
+                todo += m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                          initial_state=(True,))
+                for label, b, a in todo:
+                    b(*a)
+                    print(f"{name}: {label}", flush=True)
+        return
+    import providers
+    import shapes
+    import timing
+    from flashdelta.kernels import prepare
+
+    stream = torch.cuda.Stream()
+    names = list(mods)
+    print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} " + " ".join(f"{n + ' ms':>12}" for n in names)
+          + "  vs shipped", flush=True)
+    for row in args.rows:
+        hh, sl = row.split(":")
+        h, hv = map(int, hh.split("/"))
+        inp = providers.make_inputs(shapes.parse_seqlens(sl), h, hv, seed=0, requires_grad=False)
+        q, k, v, g, beta, h0, cu = inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, inp.cu
+        scale = q.shape[-1] ** -0.5
+        g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)[:2]
+        # the slots state_recompute writes (chunk c of sequence n: cu[n] // 64 + n + c); the others are unset
+        cl = cu.tolist()
+        owned = torch.tensor([b // 64 + n + c for n, (b, e) in enumerate(zip(cl, cl[1:]))
+                              for c in range(-(-(e - b) // 64))], device=q.device)
+        calls = {
+            "state_recompute": lambda m: lambda: m.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
+            "chunk_fwd": lambda m: lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
+        }
+        for kernel, call in calls.items():
+            outs = {n: call(m)() for n, m in mods.items()}
+            torch.cuda.synchronize()
+            t = timing.time_runners({n: timing.make_runner(call(m), stream=stream) for n, m in mods.items()},
+                                    stream=stream, flush=None)
+            line = f"{hh:>6} {sl:>28} {kernel:>16} " + " ".join(f"{t[n].ms:12.4f}" for n in names)
+            for n in names[1:]:
+                out, ref = outs[n], outs["shipped"]
+                out, ref = (out[owned], ref[owned]) if kernel == "state_recompute" else (out[0], ref[0])
+                line += f"  {n}: {_diff(out, ref)}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,11 @@ forward's body directly where neither autograd nor torch.compile is involved).
 
 `flashdelta::chunk_gdn_fwd` returns (o, final_state); `flashdelta::chunk_gdn_bwd` returns every input
 gradient. Both take user-shaped tensors (dense `[B, T, ...]` or varlen `[1, T, ...]` + cu_seqlens) and turn
-them into the flat varlen form of docs/stages.md internally. The backward recomputes the gate cumsum and
-the WY inverse A instead of saving them (they are cheap next to the backward, and A would hold 128 B per
-token and value head between the passes).
+them into the flat varlen form of docs/stages.md internally. Where the forward will be differentiated (need_bwd)
+it also returns what its stages computed and the backward needs again: the gate cumsum, the WY inverse A (128 B per
+token and value head in bf16, the same tensor FLA and FlashQLA keep), the activated beta, and with the q/k l2norm
+the normalised q and k and their rstd; autograd saves them, so the backward runs neither prepare_fwd nor
+l2norm_fwd (`_SAVED`). The backward op takes them as optional inputs and recomputes what it is not given.
 
 Neither op reads device data on the host (no `.item()`, `.tolist()`), so `torch.compile(fullgraph=True)`
 traces through them and CUDA graphs can capture the Hopper path. The portable backend itself reads
@@ -70,6 +72,33 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+# the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
+_SAVED = ("g_cumsum", "A", "beta_act", "q_l2", "k_l2", "q_rstd", "k_rstd")
+
+
+def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int) -> list:
+    """(shape, dtype) of each `_SAVED` output, None where it is empty; the real op converts to these dtypes, so the
+    fake kernel declares what the op returns. A is in q's dtype from a native prepare_fwd, in the compute dtype from
+    the portable one (docs/stages.md). The normalised q and k are saved only from a native l2norm_fwd (in q's dtype,
+    what the backward's native stages read); the portable one's (compute dtype) are recomputed."""
+    if not need_bwd:
+        return [None] * len(_SAVED)
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    plan = dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True)
+    gd = _gate_dtype(q)
+    a_dtype = gd if plan.backends["prepare_fwd"] == dispatch.PORTABLE else q.dtype
+    l2 = use_qk_l2norm and plan.backends["l2norm_fwd"] != dispatch.PORTABLE
+    return [((1, B * T, HV), gd), ((1, B * T, HV, cp.BT), a_dtype), ((1, B * T, HV), gd) if beta_act else None,
+            (tuple(q.shape), q.dtype) if l2 else None, (tuple(k.shape), k.dtype) if l2 else None,
+            ((1, B * T, H, 1), torch.float32) if l2 else None, ((1, B * T, H, 1), torch.float32) if l2 else None]
+
+
+def _empty_saved(q: Tensor, meta: list) -> list:
+    """The `_SAVED` outputs' placeholders (0-element tensors) where `meta` has None."""
+    return [q.new_empty(0) if m is None else None for m in meta]
+
+
 def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor, cu: Tensor,
              A_log: Optional[Tensor], dt_bias: Optional[Tensor], beta_act: int) -> tuple:
     """Stage prepare_fwd on the flat inputs, with the in-kernel gate (A_log: g is the raw gate, in a dtype the
@@ -124,28 +153,30 @@ def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_st
     # (functorch's vmap/grad wrappers are of type Tensor too; the op runs them through torch's batching fallback)
     if need_bwd or torch.compiler.is_compiling() or not all(
             x is None or (type(x) is Tensor and not is_functorch_wrapped_tensor(x)) for x in tensors + gate[:2]):
-        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)
-    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)
+        return chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)[:2]
+    return _chunk_gdn_fwd(*tensors, scale, use_qk_l2norm, state_v_first, need_bwd, context_parallel, *gate)[:2]
 
 
 def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
                    need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
-                   dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor]:
-    """The forward's body (`chunk_gdn_fwd` and the direct path of `forward`)."""
+                   dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple:
+    """The forward's body (`chunk_gdn_fwd` and the direct path of `forward`): (o, final_state, *`_SAVED`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
         ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
               else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
-        return o, ht
+        return (o, ht, *(q.new_empty(0) if m is None else q.new_zeros(m[0], dtype=m[1]) for m in meta))
     plan = _plan(q, v, need_bwd)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    rq = rk = None
     if use_qk_l2norm:
         l2norm = plan.fn("l2norm_fwd")
-        qf, kf = l2norm(qf)[0], l2norm(kf)[0]
+        (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
     g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     ks = plan.kset("chunk_fwd")
@@ -159,14 +190,22 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     else:
         o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                              state_v_first=state_v_first)
-    return o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q))
+    saved = _empty_saved(q, meta)
+    if need_bwd:
+        # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares; beta, q and k only
+        # where prepare_fwd activated beta and l2norm_fwd normalised q and k
+        got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk)
+        saved = [x if m is None else y.to(m[1]) for x, y, m in zip(saved, got, meta)]
+    return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q)), *saved)
 
 
 @torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
 def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], scale: float, use_qk_l2norm: bool, state_v_first: bool,
                   need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
-                  dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor]:
+                  dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                  Tensor, Tensor, Tensor, Tensor,
+                                                                                  Tensor]:
     return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
                           need_bwd, context_parallel, A_log, dt_bias, beta_act)
 
@@ -177,15 +216,23 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
-    return q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q))
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
+    return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)),
+            *(q.new_empty(0) if m is None else q.new_empty(m[0], dtype=m[1]) for m in meta))
 
 
 @torch.library.custom_op("flashdelta::chunk_gdn_bwd", mutates_args=())
 def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                   cu_seqlens: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float,
                   use_qk_l2norm: bool, state_v_first: bool, context_parallel: int = 0,
-                  A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-                  beta_act: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, beta_act: int = 0,
+                  g_cumsum: Optional[Tensor] = None, A: Optional[Tensor] = None, beta_act_out: Optional[Tensor] = None,
+                  q_rstd: Optional[Tensor] = None,
+                  k_rstd: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                            Tensor]:
+    """Every input gradient. g_cumsum, A, beta_act_out (the activated beta, with beta_act) and q_rstd, k_rstd (with
+    use_qk_l2norm; q and k are then the l2-normalised ones) are the forward's `_SAVED` outputs; where they are not
+    given, the stages that made them run again."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dh0_empty = q.new_empty(0, dtype=torch.float32)
@@ -197,11 +244,17 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     plan = _plan(q, v, True)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     if use_qk_l2norm:
-        l2norm = plan.fn("l2norm_fwd")
-        (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
+        if q_rstd is not None:
+            rq, rk = q_rstd, k_rstd
+        else:
+            l2norm = plan.fn("l2norm_fwd")
+            (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
     dht = dht.to(_gate_dtype(q)).contiguous() if dht is not None else None
-    g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
+    if g_cumsum is None or A is None:
+        g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
+    else:
+        bf = beta_act_out if beta_act else _flat(beta)
     ks = plan.kset("chunk_bwd")      # state_recompute's too (stages.COUPLED: h is backend-private)
     N = _num_seqs(q, cu_seqlens)
     L = cp.resolve_code(context_parallel, kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T,
@@ -245,33 +298,42 @@ def _param_grads(q: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor]) 
 
 @chunk_gdn_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0,
-      A_log=None, dt_bias=None, beta_act=0):
+      A_log=None, dt_bias=None, beta_act=0, g_cumsum=None, A=None, beta_act_out=None, q_rstd=None, k_rstd=None):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0, *_param_grads(q, A_log, dt_bias))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first = inputs[:10]
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, need_bwd = inputs[:11]
     A_log, dt_bias, beta_act = inputs[12:15] if len(inputs) > 12 else (None, None, 0)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    # the forward's `_SAVED` outputs, None where empty (the backward recomputes those); the normalised q and k, where
+    # saved, replace the inputs
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
+    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk = (x if m is not None else None for x, m in zip(output[2:], meta))
+    if rq is not None:
+        q, k = q_l2, k_l2
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, g_cumsum, A, beta_out, rq, rk)
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)      # no zero gradients for the saved outputs
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
     ctx.cp_code = inputs[11] if len(inputs) > 11 else 0        # the forward's CP code: the backward's split
     ctx.beta_act = beta_act
 
 
-def _backward(ctx, do, dht):
+def _backward(ctx, do, dht, *_saved_grads):
     saved = ctx.saved_tensors
     q, k, v, g, beta, initial_state, cu_seqlens = saved[:7]
     A_log, dt_bias = saved[7:9] if len(saved) > 7 else (None, None)
+    fwd_saved = saved[9:14] if len(saved) > 9 else (None,) * 5
     scale, use_qk_l2norm, state_v_first = ctx.opts
     context_parallel = getattr(ctx, "cp_code", 0)
     beta_act = getattr(ctx, "beta_act", 0)
     if do is None:
-        do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+        do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gdn_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel,
-        A_log, dt_bias, beta_act)
+        A_log, dt_bias, beta_act, *fwd_saved)
     # one entry per forward input: q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, layout, need_bwd,
     # context_parallel, A_log, dt_bias, beta_act
     return (dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None, None,

@@ -7,8 +7,8 @@ cross between backends is fixed by the contract below; everything else is privat
 Forward (`FORWARD`): ``l2norm_fwd`` (q and k, with ``use_qk_l2norm_in_kernel``), ``prepare_fwd`` -> (g_cumsum, A;
 its ``A_log``, ``dt_bias`` and ``beta_act`` keywords are FLA's in-kernel gate and beta sigmoid, and with ``beta_act``
 it returns the activated beta third, the beta every later stage takes), ``chunk_fwd`` -> (o, final state; its ``chunk_skip`` keyword, a per-(sequence, value head) start chunk, is context
-parallelism's, docs/stages.md). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` again (recomputed, not
-saved), ``state_recompute`` -> h, ``chunk_bwd`` -> (dq, dk, dv, dbeta, dG, dh0), ``group_sum`` (dq, dk per key head),
+parallelism's, docs/stages.md). Backward (`BACKWARD`): ``l2norm_fwd`` and ``prepare_fwd`` only where the forward's
+outputs were not saved (`autograd._SAVED`), ``state_recompute`` -> h, ``chunk_bwd`` -> (dq, dk, dv, dbeta, dG, dh0), ``group_sum`` (dq, dk per key head),
 ``prepare_bwd`` -> dg; with context parallelism also ``chunk_dstate`` -> each partition's start gradient from a zero
 end gradient (chunk_bwd's dh0 with dht = 0, K-first; its ``chunk_take`` keyword, a per-(sequence, value head) chunk
 count, is the backward warm-up's, docs/stages.md).

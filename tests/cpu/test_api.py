@@ -53,9 +53,10 @@ def test_eager_inference_skips_the_custom_op_dispatch():
     x = _good(varlen=True, N=2)
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
-    o_op, ht_op = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu_seqlens"], 16 ** -0.5,
-                                False, False, False)
+    o_op, ht_op, *saved = chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu_seqlens"],
+                                        16 ** -0.5, False, False, False)
     assert torch.equal(o, o_op) and torch.equal(ht, ht_op)
+    assert all(t.numel() == 0 for t in saved), "nothing is saved without need_bwd"
     q = x["q"].clone().requires_grad_(True)
     o, _ = chunk_gated_delta_rule(**dict(x, q=q))
     assert "chunk_gdn_fwd" in o.grad_fn.name()
@@ -370,3 +371,33 @@ def test_cp_warmup_takes_the_normalised_keys(monkeypatch):
     assert calls == [True, True, False] and all(reached), (calls, reached)
     (o, ht), (o_norms, ht_norms) = results[:2]
     assert torch.equal(o, o_norms) and torch.equal(ht, ht_norms)
+
+
+@pytest.mark.parametrize("gate", ["plain", "in_kernel"])
+def test_backward_reuses_the_forwards_prepare(gate, monkeypatch):
+    """With a gradient the forward's g cumsum, A and activated beta are saved: the backward runs no prepare_fwd,
+    and its gradients are bit for bit those of a backward that recomputes them."""
+    from flashdelta import autograd
+
+    calls = []
+    real = autograd._prepare
+    monkeypatch.setattr(autograd, "_prepare", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = _good(varlen=True, N=2)
+    kw = {}
+    if gate == "in_kernel":
+        gen = torch.Generator().manual_seed(1)
+        x["beta"] = torch.randn(x["beta"].shape, generator=gen)          # logits
+        kw = dict(use_gate_in_kernel=True, A_log=torch.randn(4, generator=gen), dt_bias=torch.randn(4, generator=gen),
+                  use_beta_sigmoid_in_kernel=True)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if n != "cu_seqlens"}
+    o, ht = chunk_gated_delta_rule(**dict(x, **leaves), **kw, output_final_state=True)
+    assert len(calls) == 1
+    (o.square().sum() + ht.sum()).backward()
+    assert len(calls) == 1, "the backward ran prepare_fwd again"
+    # the same backward recomputing prepare_fwd (the op without the saved tensors)
+    gate_args = (kw.get("A_log"), kw.get("dt_bias"), 1 if kw else 0)
+    ref = autograd.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu_seqlens"],
+                                 2 * o.detach(), torch.ones_like(ht), 16 ** -0.5, False, False, 0, *gate_args)
+    assert len(calls) == 2
+    for name, want in zip(("q", "k", "v", "g", "beta"), ref):
+        assert torch.equal(leaves[name].grad, want), name

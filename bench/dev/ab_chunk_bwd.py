@@ -21,7 +21,7 @@ ROWS = ("16/32:1x8192", "16/32:6413+6673+10954+8728", "16/64:8192x4", "2/4:1x819
 
 
 def load_variant(name, path):
-    """The chunk_bwd module at `path`, as flashdelta.kernels._ab_<name> (its relative imports resolve there)."""
+    """The kernel module at `path`, as flashdelta.kernels._ab_<name> (its relative imports resolve there)."""
     spec = importlib.util.spec_from_file_location(f"flashdelta.kernels._ab_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -29,29 +29,59 @@ def load_variant(name, path):
     return mod
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a chunk_bwd.py copy")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), help="H/HV:seqlens")
+def setup(doc: str, kernel: str, rows) -> tuple:
+    """(args, {name: module}) of an A/B script over copies of kernels/<kernel>.py: the shipped module first."""
+    import importlib
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", default=[], help=f"NAME=PATH of a {kernel}.py copy")
+    ap.add_argument("--rows", nargs="+", default=list(rows), help="H/HV:seqlens")
     ap.add_argument("--precompile", action="store_true")
     args = ap.parse_args()
-    from flashdelta.kernels import chunk_bwd
-    mods = {"shipped": chunk_bwd}
+    mods = {"shipped": importlib.import_module(f"flashdelta.kernels.{kernel}")}
     for spec in args.variant:
         name, path = spec.split("=", 1)
         mods[name] = load_variant(name, path)
-    if args.precompile:
-        for row in args.rows:
-            h, hv = map(int, row.split(":")[0].split("/"))
-            for name, m in mods.items():
-                for label, b, a in m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
-                                                     dht=(True,)):
-                    b(*a)
-                    print(f"{name}: {label}", flush=True)
-        return
+    return args, mods
+
+
+def precompile(rows, mods: dict, builds) -> None:
+    """Compile `builds(module, H, HV)` (a list of (label, builder, args)) of every module for every row's heads."""
+    for row in rows:
+        h, hv = map(int, row.split(":")[0].split("/"))
+        for name, m in mods.items():
+            for label, b, a in builds(m, h, hv):
+                b(*a)
+                print(f"{name}: {label}", flush=True)
+
+
+def row_inputs(row: str, requires_grad: bool) -> tuple:
+    """(heads, seqlens, the benchmark's inputs) of one --rows entry."""
     import providers
     import shapes
+
+    hh, sl = row.split(":")
+    h, hv = map(int, hh.split("/"))
+    return hh, sl, providers.make_inputs(shapes.parse_seqlens(sl), h, hv, seed=0, requires_grad=requires_grad)
+
+
+def outputs_and_times(mods: dict, call, stream) -> tuple:
+    """({name: call(module)()}, {name: CUDA-graph median ms}), the modules interleaved (`timing.time_runners`)."""
     import timing
+
+    outs = {n: call(m)() for n, m in mods.items()}
+    torch.cuda.synchronize()
+    t = timing.time_runners({n: timing.make_runner(call(m), stream=stream) for n, m in mods.items()},
+                            stream=stream, flush=None)
+    return outs, {n: t[n].ms for n in mods}
+
+
+def main():
+    args, mods = setup(__doc__, "chunk_bwd", ROWS)
+    if args.precompile:
+        precompile(args.rows, mods, lambda m, h, hv: m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32,
+                                                                       128 ** -0.5, dht=(True,)))
+        return
     from flashdelta.kernels import fused_fwd, prepare
 
     stream = torch.cuda.Stream()
@@ -59,9 +89,7 @@ def main():
     print(f"{'heads':>6} {'seqlens':>28} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "  rel diff vs shipped: dq dk dv db dg dh0", flush=True)
     for row in args.rows:
-        hh, sl = row.split(":")
-        h, hv = map(int, hh.split("/"))
-        inp = providers.make_inputs(shapes.parse_seqlens(sl), h, hv, seed=0, requires_grad=True)
+        hh, sl, inp = row_inputs(row, requires_grad=True)
         q, k, v = inp.q.detach(), inp.k.detach(), inp.v.detach()
         g, beta, h0, cu = inp.g.detach(), inp.beta.detach(), inp.h0.detach(), inp.cu
         scale = q.shape[-1] ** -0.5
@@ -72,15 +100,12 @@ def main():
         def call(m):
             return lambda: m.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
 
-        outs = {n: call(m)() for n, m in mods.items()}
-        torch.cuda.synchronize()
+        outs, ms = outputs_and_times(mods, call, stream)
         diffs = {}
         for n in names[1:]:
             diffs[n] = [((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()
                         for x, y in zip(outs[n], outs["shipped"])]
-        t = timing.time_runners({n: timing.make_runner(call(m), stream=stream) for n, m in mods.items()},
-                                stream=stream, flush=None)
-        line = f"{hh:>6} {sl:>28} " + " ".join(f"{t[n].ms:12.4f}" for n in names)
+        line = f"{hh:>6} {sl:>28} " + " ".join(f"{ms[n]:12.4f}" for n in names)
         for n in names[1:]:
             line += f"  {n}: " + " ".join(f"{d:.1e}" for d in diffs[n])
         print(line, flush=True)

@@ -10,7 +10,6 @@ flashdelta.kernels:
 
 --precompile (CPU machine, TILELANG_CACHE_DIR set) compiles every variant's builds for the rows and exits.
 """
-import argparse
 import os
 import sys
 
@@ -19,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from ab_chunk_bwd import load_variant  # noqa: E402
+from ab_chunk_bwd import outputs_and_times, precompile, row_inputs, setup  # noqa: E402
 
 ROWS = ("16/32:6413+6673+10954+8728", "16/32:1x8192", "16/64:8192x4", "2/4:1x8192", "16/32:512x16")
 
@@ -30,32 +29,18 @@ def _diff(x, y) -> str:
     return f"max|d| {(x.float() - y.float()).abs().max().item():.1e}"
 
 
+def _builds(m, h: int, hv: int) -> list:
+    return (m.state_recompute_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32,
+                                     initial_state=(True,))
+            + m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                initial_state=(True,)))
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a fused_fwd.py copy")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), help="H/HV:seqlens")
-    ap.add_argument("--precompile", action="store_true")
-    args = ap.parse_args()
-    from flashdelta.kernels import fused_fwd
-    mods = {"shipped": fused_fwd}
-    for spec in args.variant:
-        name, path = spec.split("=", 1)
-        mods[name] = load_variant(name, path)
+    args, mods = setup(__doc__, "fused_fwd", ROWS)
     if args.precompile:
-        for row in args.rows:
-            h, hv = map(int, row.split(":")[0].split("/"))
-            for name, m in mods.items():
-                todo = m.state_recompute_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32,
-                                                initial_state=(True,))
-                todo += m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
-                                          initial_state=(True,))
-                for label, b, a in todo:
-                    b(*a)
-                    print(f"{name}: {label}", flush=True)
+        precompile(args.rows, mods, _builds)
         return
-    import providers
-    import shapes
-    import timing
     from flashdelta.kernels import prepare
 
     stream = torch.cuda.Stream()
@@ -63,9 +48,7 @@ def main():
     print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "  vs shipped", flush=True)
     for row in args.rows:
-        hh, sl = row.split(":")
-        h, hv = map(int, hh.split("/"))
-        inp = providers.make_inputs(shapes.parse_seqlens(sl), h, hv, seed=0, requires_grad=False)
+        hh, sl, inp = row_inputs(row, requires_grad=False)
         q, k, v, g, beta, h0, cu = inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, inp.cu
         scale = q.shape[-1] ** -0.5
         g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)[:2]
@@ -78,11 +61,8 @@ def main():
             "chunk_fwd": lambda m: lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
         }
         for kernel, call in calls.items():
-            outs = {n: call(m)() for n, m in mods.items()}
-            torch.cuda.synchronize()
-            t = timing.time_runners({n: timing.make_runner(call(m), stream=stream) for n, m in mods.items()},
-                                    stream=stream, flush=None)
-            line = f"{hh:>6} {sl:>28} {kernel:>16} " + " ".join(f"{t[n].ms:12.4f}" for n in names)
+            outs, ms = outputs_and_times(mods, call, stream)
+            line = f"{hh:>6} {sl:>28} {kernel:>16} " + " ".join(f"{ms[n]:12.4f}" for n in names)
             for n in names[1:]:
                 out, ref = outs[n], outs["shipped"]
                 out, ref = (out[owned], ref[owned]) if kernel == "state_recompute" else (out[0], ref[0])

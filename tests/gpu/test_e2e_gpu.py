@@ -274,3 +274,34 @@ def test_in_kernel_gate_backward_on_gpu(case, monkeypatch):
         assert p[n].grad.dtype == torch.float32
         assert_close("dg", p[n].grad, p64[n].grad)
     assert torch.all(x["g"].grad[:, -case.pad:] == 0) and torch.all(x["beta"].grad[:, -case.pad:] == 0)
+
+
+def test_sm90_backward_reuses_the_forwards_l2norm(monkeypatch):
+    """With use_qk_l2norm_in_kernel on SM90, autograd keeps the forward's normalised q, k and their rstd in place of
+    the inputs, and its g cumsum and A: the backward runs no prepare_fwd, and its gradients are bit for bit those of
+    a backward that recomputes the l2norm and prepare_fwd."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    case = E2E_L2NORM
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x["q"], x["k"] = (x["q"] * 3).detach().requires_grad_(True), (x["k"] * 0.5).detach().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ptrs = {t.data_ptr() for t in saved}
+    assert x["q"].data_ptr() not in ptrs and x["k"].data_ptr() not in ptrs, "the raw q and k were saved"
+    assert any(tuple(t.shape) == (1, o.shape[0] * o.shape[1], case.H, 1) for t in saved), "no rstd saved"
+    calls = []
+    real = autograd._prepare
+    monkeypatch.setattr(autograd, "_prepare", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(o.shape, generator=gen, device="cuda").bfloat16()
+    dht = torch.randn(ht.shape, generator=gen, device="cuda")
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    grads = torch.autograd.grad((o, ht), [x[n] for n in names], (do, dht))
+    assert not calls, "the backward ran prepare_fwd again"
+    detached = {n: (t.detach() if torch.is_tensor(t) else t) for n, t in x.items()}
+    ref = autograd.chunk_gdn_bwd(*(detached[n] for n in names), x["cu_seqlens"], do, dht, case.K ** -0.5, True,
+                                 case.state_v_first)
+    assert calls, "the reference backward recomputes prepare_fwd"
+    for n, got, want in zip(names, grads, ref):
+        assert torch.equal(got, want.to(got.dtype)), n

@@ -76,16 +76,18 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 _SAVED = ("g_cumsum", "A", "beta_act", "q_l2", "k_l2", "q_rstd", "k_rstd")
 
 
-def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int) -> list:
-    """(shape, dtype) of each `_SAVED` output, None where it is empty; the real op converts to these dtypes, so the
-    fake kernel declares what the op returns. A is in q's dtype from a native prepare_fwd, in the compute dtype from
+def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int,
+                plan: Optional[dispatch.Plan] = None) -> list:
+    """(shape, dtype) of each `_SAVED` output, None where it is empty (a 1-D placeholder: saved tensors have 3 or 4
+    dims); the real op converts to these dtypes, so the fake kernel declares what the op returns. `plan`: the call's
+    (need_bwd) plan where the caller has it. A is in q's dtype from a native prepare_fwd, in the compute dtype from
     the portable one (docs/stages.md). The normalised q and k are saved only from a native l2norm_fwd (in q's dtype,
     what the backward's native stages read); the portable one's (compute dtype) are recomputed."""
     if not need_bwd:
         return [None] * len(_SAVED)
     B, T, H, K = q.shape
     HV = v.shape[2]
-    plan = dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True)
+    plan = plan or dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True)
     gd = _gate_dtype(q)
     a_dtype = gd if plan.backends["prepare_fwd"] == dispatch.PORTABLE else q.dtype
     l2 = use_qk_l2norm and plan.backends["l2norm_fwd"] != dispatch.PORTABLE
@@ -165,13 +167,14 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
         ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
               else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
+        meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
         return (o, ht, *(q.new_empty(0) if m is None else q.new_zeros(m[0], dtype=m[1]) for m in meta))
     plan = _plan(q, v, need_bwd)
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     rq = rk = None
     if use_qk_l2norm:
@@ -305,12 +308,11 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first, need_bwd = inputs[:11]
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first = inputs[:10]
     A_log, dt_bias, beta_act = inputs[12:15] if len(inputs) > 12 else (None, None, 0)
     # the forward's `_SAVED` outputs, None where empty (the backward recomputes those); the normalised q and k, where
     # saved, replace the inputs
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act)
-    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk = (x if m is not None else None for x, m in zip(output[2:], meta))
+    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk = (x if x.dim() > 1 else None for x in output[2:])
     if rq is not None:
         q, k = q_l2, k_l2
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, g_cumsum, A, beta_out, rq, rk)

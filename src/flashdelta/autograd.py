@@ -73,7 +73,7 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 
 
 # the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
-_SAVED = ("g_cumsum", "A", "beta_act", "q_l2", "k_l2", "q_rstd", "k_rstd")
+_SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd")
 
 
 def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int,

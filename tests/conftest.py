@@ -1,6 +1,9 @@
+import ast
+import builtins
 import fnmatch
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -11,6 +14,28 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/_helpers.py
 
 # Kernel outputs are allocated through flashdelta.kernels._tl.alloc, which poisons them with NaN when set.
 os.environ.setdefault("FLASHDELTA_POISON", "1")
+
+
+def _serialize_ast_conversions() -> None:
+    """The compile tests build kernels in threads, and TileLang's frontend parses and compiles Python ASTs for every
+    build (`ast.parse`, `compile()` of AST nodes). CPython 3.11 keeps the recursion depth of those conversions in
+    state the threads share, so two at once can fail a build with "AST constructor recursion depth mismatch"; one
+    lock around both (re-entrant: ast.parse calls compile) makes them take turns, and nvcc still runs in parallel."""
+    lock = threading.RLock()
+    real_compile, real_parse = builtins.compile, ast.parse
+
+    def locked_compile(*args, **kwargs):
+        with lock:
+            return real_compile(*args, **kwargs)
+
+    def locked_parse(*args, **kwargs):
+        with lock:
+            return real_parse(*args, **kwargs)
+
+    builtins.compile, ast.parse = locked_compile, locked_parse
+
+
+_serialize_ast_conversions()
 
 
 def _has_hopper() -> bool:

@@ -1,9 +1,9 @@
 """The operator as two `torch.library` custom ops with registered fake kernels and autograd (`forward` calls the
 forward's body directly where neither autograd nor torch.compile is involved).
 
-`flashdelta::chunk_gdn_fwd` returns (o, final_state); `flashdelta::chunk_gdn_bwd` returns every input
-gradient. Both take user-shaped tensors (dense `[B, T, ...]` or varlen `[1, T, ...]` + cu_seqlens) and turn
-them into the flat varlen form of docs/stages.md internally. Where the forward will be differentiated (need_bwd)
+`flashdelta::chunk_gdn_fwd` returns (o, final_state, the `_SAVED` tensors); `flashdelta::chunk_gdn_bwd` returns
+every input gradient. Both take user-shaped tensors (dense `[B, T, ...]` or varlen `[1, T, ...]` + cu_seqlens) and
+turn them into the flat varlen form of docs/stages.md internally. Where the forward will be differentiated (need_bwd)
 it also returns what its stages computed and the backward needs again: the gate cumsum, the WY inverse A (128 B per
 token and value head in bf16, the same tensor FLA and FlashQLA keep), the activated beta, and with the q/k l2norm
 the normalised q and k and their rstd; autograd saves them, so the backward runs neither prepare_fwd nor
@@ -94,11 +94,6 @@ def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: 
     return [((1, B * T, HV), gd), ((1, B * T, HV, cp.BT), a_dtype), ((1, B * T, HV), gd) if beta_act else None,
             (tuple(q.shape), q.dtype) if l2 else None, (tuple(k.shape), k.dtype) if l2 else None,
             ((1, B * T, H, 1), torch.float32) if l2 else None, ((1, B * T, H, 1), torch.float32) if l2 else None]
-
-
-def _empty_saved(q: Tensor, meta: list) -> list:
-    """The `_SAVED` outputs' placeholders (0-element tensors) where `meta` has None."""
-    return [q.new_empty(0) if m is None else None for m in meta]
 
 
 def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor, cu: Tensor,
@@ -193,12 +188,9 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     else:
         o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                              state_v_first=state_v_first)
-    saved = _empty_saved(q, meta)
-    if need_bwd:
-        # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares; beta, q and k only
-        # where prepare_fwd activated beta and l2norm_fwd normalised q and k
-        got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk)
-        saved = [x if m is None else y.to(m[1]) for x, y, m in zip(saved, got, meta)]
+    # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares, or a placeholder
+    got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk)
+    saved = [q.new_empty(0) if m is None else x.to(m[1]) for x, m in zip(got, meta)]
     return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q)), *saved)
 
 

@@ -91,6 +91,8 @@ def _e2e_builds() -> dict:
              (cases.BWD_MODEL, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
              *[(c, dt, dict(backward=True, qk_l2norm=l2)) for c, dt, l2 in cases.BWD_E2E_PAIRS],
              *[(c, torch.bfloat16, dict(backward=True)) for c in cases.BWD_COMPILE],
+             (cases.E2E_L2NORM, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
+             (cases.E2E_ORDER, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
              (cases.E2E_GATE_FLOOR, torch.bfloat16, {})]
     out: dict = {}
     for c, dtype, kw in todo:

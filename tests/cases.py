@@ -141,6 +141,10 @@ E2E_L2NORM = Case("l2", (500, 1200), H=2, HV=8, K=128, V=128)
 E2E_OTHER_SCALE = 0.3
 E2E_SCALE_FP64 = Case("scale-fp64", (700, 1, 1500), H=2, HV=8, K=128, V=128, pad=9)
 E2E_GRAPH = Case("graph", (3000, 1, 5000), H=2, HV=8, K=128, V=128, pad=11)
+# lengths ascending over more CTAs than one wave (the forward's and the backward's grids): the kernels take the
+# sequences longest first (`_tl.seq_order`), the reverse of their index order
+E2E_ORDER = Case("order", (1, 2, 63, 64, 65, 130, 200, 260, 333, 400, 512, 640, 700, 777, 900, 1000, 1100, 1300),
+                 H=2, HV=8, K=128, V=128, pad=5)
 # auto dispatch with gradients at head dims the SM90 backward lacks (V = 256): the sm90 forward, prepare_fwd and
 # prepare_bwd, and the portable state recompute, chunk_bwd and group_sum
 E2E_BWD = Case("bwd", (300, 0, 133), H=2, HV=8, K=128, V=256, pad=5)

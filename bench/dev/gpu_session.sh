@@ -5,7 +5,8 @@
 #   source .device/bootstrap.sh; source bench/dev/tlcache.sh unpack
 #   FLASHDELTA_COMMIT=<sha> [GRID=1 | BENCH=0] [COLDSTART=0] [PRECOMPILE=1] bash bench/dev/gpu_session.sh
 # PRECOMPILE=1 first fills the TileLang cache with the GPU tier's builds on all cores (bench/dev/precompile_par.py,
-# ~270 s from cold) and packs it into $OUT/tl-ship.tar.xz for the next calls.
+# ~270 s from cold; PRECOMPILE_ARGS="--tests --bwd-grid" adds the backward grid's) and packs it into
+# $OUT/tl-ship.tar.xz for the next calls.
 # Every step has its own timeout and runs unbuffered, so a step killed at its limit keeps what it printed.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,7 +19,8 @@ left() { echo $(( CALL_S - ($(date +%s) - t0) )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$OUT/misc.log" 2>&1
 if [ "${PRECOMPILE:-0}" = 1 ]; then
   export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tl-ship}
-  timeout 330 python3 -u bench/dev/precompile_par.py --tests --jobs "$(nproc)" --budget-s 280 > $L/precompile.log 2>&1
+  timeout 330 python3 -u bench/dev/precompile_par.py ${PRECOMPILE_ARGS:---tests} --jobs "$(nproc)" --budget-s 280 \
+    > $L/precompile.log 2>&1
   echo "precompile: $(grep -c '^\[shard' $L/precompile.log) builds, $(grep -c 'budget spent' $L/precompile.log) skipped, at $(( $(date +%s) - t0 )) s"
   XZ_OPT=-T0 tar -C "$(dirname "$TILELANG_CACHE_DIR")" -cJf "$OUT/tl-ship.tar.xz" "$(basename "$TILELANG_CACHE_DIR")"
 fi

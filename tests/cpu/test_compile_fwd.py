@@ -160,3 +160,18 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert "fd_store_rows" not in src.split("chunk_fwd_kernel_kernel(", 2)[-1], name
         report = ptxas_report(src, tmp_path, name)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+@pytest.mark.parametrize("lengths,ctas,want", [
+    ((1, 65, 700, 1500, 3000), 32, [4, 3, 2, 1, 0, 5]),      # longest first, the padding tail's item last
+    ((10, 10, 0, 30), 100, [3, 0, 1, 2, 4]),                 # ties by index, the empty sequence before the tail
+    ((1, 65, 700, 1500, 3000), 2, [0, 1, 2, 3, 4, 5]),       # one wave: the identity
+    ((5000,), 64, [0, 1]),
+])
+def test_seq_order(lengths, ctas, want):
+    """The order per-sequence kernels take the sequences in (kernels/_tl.py `seq_order`): int32, N + 1 items."""
+    from flashdelta.kernels import _tl
+
+    cu = torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
+    got = _tl.seq_order(cu, ctas)
+    assert got.dtype == torch.int32 and got.tolist() == want

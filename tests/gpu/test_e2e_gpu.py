@@ -4,8 +4,8 @@ auto-dispatched backward."""
 import pytest
 import torch
 from _helpers import Case, assert_close, make_inputs
-from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_OTHER_SCALE, E2E_PAIRS,
-                   E2E_SCALE_FP64)
+from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_ORDER, E2E_OTHER_SCALE,
+                   E2E_PAIRS, E2E_SCALE_FP64)
 
 from flashdelta import autograd, chunk_gated_delta_rule, portable
 from flashdelta.reference.chunked import chunked_fwd
@@ -305,3 +305,38 @@ def test_sm90_backward_reuses_the_forwards_l2norm(monkeypatch):
     assert calls, "the reference backward recomputes prepare_fwd"
     for n, got, want in zip(names, grads, ref):
         assert torch.equal(got, want.to(got.dtype)), n
+
+
+def test_sm90_sequence_order_is_invisible(monkeypatch):
+    """The forward's and the backward's kernels take the sequences longest first where their grids exceed one wave:
+    each sequence's output, final state and gradients are bit for bit those of the sequence run alone."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    from flashdelta.kernels import _tl
+
+    case = E2E_ORDER
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    cu = x["cu_seqlens"]
+    assert not torch.equal(_tl.seq_order(cu, case.HV)[:-1].cpu(), torch.arange(len(case.seqlens), dtype=torch.int32))
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    T, N = x["q"].shape[1], len(case.seqlens)
+    do = torch.randn(1, T, case.HV, case.V, generator=gen, device="cuda").bfloat16()
+    dht = torch.randn(N, case.HV, case.K, case.V, generator=gen, device="cuda")
+
+    def run(inputs, cu_seqlens, do, dht):
+        o, ht = chunk_gated_delta_rule(**{**inputs, "cu_seqlens": cu_seqlens}, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, context_parallel=False)
+        return (o, ht) + torch.autograd.grad((o, ht), [inputs[n] for n in names], (do, dht))
+
+    full = run(x, cu, do, dht)
+    for n in range(N):
+        a, b = int(cu[n]), int(cu[n + 1])
+        one = {m: x[m].detach()[:, a:b].clone().requires_grad_(True) for m in names[:-1]}
+        one["initial_state"] = x["initial_state"].detach()[n:n + 1].clone().requires_grad_(True)
+        one["state_v_first"] = x["state_v_first"]
+        cu1 = torch.tensor([0, b - a], dtype=cu.dtype, device="cuda")
+        got = run(one, cu1, do[:, a:b], dht[n:n + 1])
+        want = (full[0][:, a:b], full[1][n:n + 1]) + tuple(
+            full[2 + i][n:n + 1] if m == "initial_state" else full[2 + i][:, a:b] for i, m in enumerate(names))
+        for name, w, g in zip(("o", "ht") + names, want, got):
+            assert torch.equal(w, g), f"sequence {n}: {name} differs from the sequence run alone"

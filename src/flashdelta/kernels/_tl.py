@@ -1,5 +1,6 @@
 """TileLang plumbing shared by every Hopper kernel module: target, pass configs, dtype names, the `jit` builder
-decorator, output allocation, cu_seqlens as the kernels take it, the SM count.
+decorator, output allocation, cu_seqlens as the kernels take it, the order in which per-sequence kernels take the sequences, the
+SM count.
 
 `tilelang` itself is imported on first use (by the first `jit` decoration, i.e. when a kernel module is imported).
 """
@@ -101,6 +102,24 @@ def cu_seqlens_int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """cu_seqlens as every kernel takes it: int32, contiguous (no copy when it already is; int64 is converted on
     its device)."""
     return cu_seqlens.to(torch.int32).contiguous()
+
+
+def seq_order(cu_seqlens: torch.Tensor, ctas_per_seq: int) -> torch.Tensor:
+    """The order in which a kernel with `ctas_per_seq` CTAs per sequence (and one work item past the last sequence,
+    the padding tail) takes the sequences: int32 ``[N + 1]``, the work item of its CTAs ``[i * ctas_per_seq, (i + 1) *
+    ctas_per_seq)`` is sequence ``order[i]``, the longest sequence first (ties by index) and N, the padding tail, last.
+
+    The GPU starts CTAs in index order as SMs free up, so longest first is LPT list scheduling: at heads 16/32 with
+    eight sequences of 499 to 9873 tokens the longest sequence's 32 CTAs start in the first wave instead of the second
+    (`chunk_bwd`'s makespan 214 -> 157 chunk periods: docs/dev/chunk_bwd.md, "Longest sequence first"). Where every CTA fits in
+    one wave (or N <= 1) the order is the identity. Computed on the device, no host synchronisation."""
+    N = cu_seqlens.shape[0] - 1
+    dev = cu_seqlens.device
+    if N <= 1 or (N + 1) * ctas_per_seq <= num_sms(dev if dev.type == "cuda" else None):
+        return torch.arange(N + 1, dtype=torch.int32, device=dev)
+    keys = cu_seqlens.new_full((N + 1,), -1)          # the padding tail's item sorts last
+    torch.sub(cu_seqlens[1:], cu_seqlens[:-1], out=keys[:N])
+    return torch.argsort(keys, descending=True, stable=True).to(torch.int32)
 
 
 def num_sms(device: Optional[torch.device] = None) -> int:

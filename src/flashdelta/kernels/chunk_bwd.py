@@ -65,8 +65,9 @@ bench/dev/chunk_bwd_protocol.py models the synchronisation (barrier counts, pari
 its writes).
 
 Chunk slots: chunk c of sequence n (tokens [bos, eos)) is slot ``bos // BT + n + c`` (the numbering prepare uses,
-below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence, value head), sequence
-slowest; the extra sequence index N zero-fills every gradient on the padding tail [cu_seqlens[N], T). Token
+below ``T // BT + N + 1``), so h needs no host-side chunk offsets. CTA x index = (sequence rank, value head),
+rank slowest; rank i is sequence ``seq_order[i]`` (`_tl.seq_order`: longest first where the grid takes more than one
+wave), and the last, N, zero-fills every gradient on the padding tail [cu_seqlens[N], T). Token
 offsets are int64, so tensors past 2^31 elements work.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
@@ -233,6 +234,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         do: T.Tensor((1, T_, HV, V), dtype),
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
+        seq_order: T.Tensor((N_ + 1,), "int32"),
         dq: T.Tensor((1, T_, HV, K), dtype),
         dk: T.Tensor((1, T_, HV, K), dtype),
         dv: T.Tensor((1, T_, HV, V), dtype),
@@ -241,7 +243,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         dh0: T.Tensor(state_shape, acc),
     ):
         with T.Kernel((N_ + 1) * HV, threads=THREADS, prelude=prelude) as bx:
-            i_n = bx // HV
+            i_n = seq_order[bx // HV]                    # longest sequence first (`_tl.seq_order`)
             i_hv = bx % HV
             i_h = i_hv // G
             tx = T.get_thread_binding()
@@ -742,5 +744,5 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     kernel = build(*args)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
            A.to(q.dtype).contiguous(), h.contiguous(), do.to(v.dtype).contiguous(), dht_in, cu_seqlens,
-           dq, dk, dv, dbeta, dG, dh0)
+           _tl.seq_order(cu_seqlens, HV), dq, dk, dv, dbeta, dG, dh0)
     return dq, dk, dv, dbeta, dG, dh0

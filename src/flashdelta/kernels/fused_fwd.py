@@ -35,8 +35,9 @@ start token moves, nothing else changes, and the builds without the flag are the
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
 shared-memory write by ordinary stores that wgmma or TMA reads next is followed by fence.proxy.async.
-CTA x index = (sequence, value head, V slice) flattened, sequence slowest, so >65,535 sequences work and CTAs
-that share a key head run together; the extra sequence index N zero-fills o on the padding tail [cu[N], T).
+CTA x index = (sequence rank, value head, V slice) flattened, rank slowest, so >65,535 sequences work and CTAs
+that share a key head run together; rank i is sequence ``seq_order[i]`` (`_tl.seq_order`: longest first where the
+grid takes more than one wave), and the last, N, zero-fills o on the padding tail [cu[N], T).
 Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in int64; TMA uses tensor maps.
 
 Timeline: `TABLE` (kernels/timeline.py), one thread per role; bench/dev/timeline.py prints it.
@@ -315,6 +316,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         A: T.Tensor((1, T_, HV, BT), dtype),
         h0: T.Tensor(state_shape, h0_dtype),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
+        seq_order: T.Tensor((N_ + 1,), "int32"),
         o: o_t,
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
@@ -322,7 +324,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
-            i_n = bx // (HV * NV)
+            i_n = seq_order[bx // (HV * NV)]             # longest sequence first (`_tl.seq_order`)
             i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
@@ -631,7 +633,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
     ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
-               h0.contiguous(), cu_seqlens, ot, ht)
+               h0.contiguous(), cu_seqlens, _tl.seq_order(cu_seqlens, HV * (V // BV)), ot, ht)
     extra = (hs,) if hs is not None else ()
     if chunk_skip is not None:
         extra += (chunk_skip,)

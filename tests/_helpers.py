@@ -125,6 +125,28 @@ def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0
     return out
 
 
+def split_backward_only(monkeypatch) -> list:
+    """Make `cp.decide` code the backward split alone (its own L, the forward serial), as auto does where the serial
+    forward fills the GPU, so that the forward saves the backward's partition start states; returns the list that
+    collects every `cp.cp_chunk_bwd` call's (L, starts)."""
+    from flashdelta import cp
+
+    calls = []
+    real_decide, real_bwd = cp.decide, cp.cp_chunk_bwd
+
+    def decide(request, **kw):
+        code = real_decide(request, **kw)
+        return cp.encode(0, cp.decode(code)[1]) if code > 0 else code
+
+    def bwd(*a, **kw):
+        calls.append((kw["plan"].L, kw.get("starts")))
+        return real_bwd(*a, **kw)
+
+    monkeypatch.setattr(cp, "decide", decide)
+    monkeypatch.setattr(cp, "cp_chunk_bwd", bwd)
+    return calls
+
+
 def divergent_syncs(src: str) -> list[int]:
     """Line numbers of generated CUDA where `__syncthreads()` sits under an `if` (or its `else`) whose condition
     reads threadIdx: a hang when the threads split. TileLang's sync insertion put one inside a thread-dependent

@@ -202,7 +202,8 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
               seq_len=None if varlen else T, force=force)
     warm = warmup_threshold(parse_warmup(None), dtype) is not None
     fwd = choose(**kw, warmup=warm)
-    bwd = choose_bwd(**kw, warmup=warm) if force or supported_bwd(kset, K, V, dtype) else 0
+    # an unsplit forward saves the backward's partition start states (`autograd`, `cp_chunk_bwd`'s `starts`)
+    bwd = choose_bwd(**kw, warmup=warm, starts_saved=fwd == 0) if force or supported_bwd(kset, K, V, dtype) else 0
     return encode(fwd, bwd)
 
 
@@ -257,6 +258,11 @@ class CPPlan(NamedTuple):
     step_index: Tensor
     warmup: object = "auto"
     scan_cu: Optional[Tensor] = None
+
+    @property
+    def first_index(self) -> Tensor:
+        """``[N]`` int64: each sequence's first partition (its initial state's and its dh0's slot)."""
+        return torch.cat([self.last_index[:1] * 0, self.last_index[:-1] + 1])
 
 
 def make_plan(cu_seqlens: Tensor, T: int, L: int, *, seq_len: Optional[int] = None, chunk_size: int = BT,
@@ -528,20 +534,32 @@ def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_f
     sequence's last partition has E = M = 0, so `scan_states` gives the warm-up's start states."""
     T, HV = v.shape[1], v.shape[2]
     K = k.shape[-1]
-    eye = torch.eye(K, dtype=state_dtype, device=v.device)
     zeros = v.new_empty(1, T, HV, K)                 # the M pass's values: zero_values (never read, never filled)
     if windows is None:
+        eye = torch.eye(K, dtype=state_dtype, device=v.device)
         _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
                          scale=scale, state_v_first=False, zero_values=True, states_only=True)
         _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
                          states_only=True)
         return M, E
-    start = torch.where(windows.fallback[:, :, None, None], eye, eye.new_zeros(()))               # [P, HV, K, K]
-    _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_m, zero_values=True, states_only=True)
+    M = _transitions(q, k, zeros, g_cumsum, beta, A, plan, windows.fallback, windows.skip_m, scale=scale,
+                     chunk_fwd=chunk_fwd, state_dtype=state_dtype)
     _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
                      chunk_skip=windows.skip_e, states_only=True)
     return M, E
+
+
+def _transitions(q, k, zeros, g_cumsum, beta, A, plan: CPPlan, walk: Tensor, skip: Tensor, *, scale: float, chunk_fwd,
+                 state_dtype) -> Tensor:
+    """``M [P, HV, K, K]`` (K-first) of the (partition, head)s in `walk` (``[P, HV]`` bool), by one `chunk_fwd`
+    launch with zero values from the identity whose CTAs start at chunk `skip` (``[P, HV]`` int32: 0 where `walk`,
+    `SKIP_ALL` elsewhere, or later chunks); the others' M is 0 (a zero start, no chunk walked). `zeros`: the
+    ``[1, T, HV, K]`` placeholder of the zero values (never read)."""
+    K = k.shape[-1]
+    eye = torch.eye(K, dtype=state_dtype, device=k.device)
+    start = torch.where(walk[:, :, None, None], eye, eye.new_zeros(()))                          # [P, HV, K, K]
+    return chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
+                     chunk_skip=skip, zero_values=True, states_only=True)[1]
 
 
 def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bool = False) -> Optional[float]:
@@ -751,7 +769,8 @@ def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, sca
 
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
-                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False):
+                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
+                 starts: Optional[Tensor] = None):
     """The `state_recompute` and `chunk_bwd` stages (docs/stages.md) through the partitions of `plan`
     (`make_plan` of the same cu_seqlens): what `chunk_bwd` returns for the whole sequences, ``(dq, dk
     [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``,
@@ -769,36 +788,51 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     `grad_windows`, whose heads' M is then zeroed); the reverse scan (`scan_grads`) gives every partition's end
     gradient; chunk_bwd from those gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its
     serial dS and S) and, on each sequence's first partition, its dh0. No host synchronisation.
+
+    `starts` (``[P, HV, K, V]``, the start state of every partition of `plan`, K-first: the training forward's
+    `chunk_fwd(partition_starts=...)` output where the forward ran unsplit) replaces the E pass and the forward scan;
+    the M pass then walks only the partitions and heads whose M the reverse scan reads (the fallback heads of
+    partitions that are not their sequence's first, `GradWindows.fallback`).
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     fks, bks = backends.kset("chunk_fwd"), backends.kset("chunk_bwd")
     sd = fks.param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd,
-                     state_dtype=sd)
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
-    h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
-    scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
-    H = scan_states(M, E, plan, h0, scan)
-    b = _as_param(beta, bks)
-    h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
     win = None
-    if thr is not None:
+    if thr is not None or starts is not None:
         win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
+    if starts is None:
+        M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd,
+                         state_dtype=sd)
+        h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
+        scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
+        H = scan_states(M, E, plan, h0, scan)
+        del E
+        if win is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
+            M.masked_fill_(~win.fallback[:, :, None, None], 0)
+    else:
+        if tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
+            raise ValueError(f"starts: [P, HV, K, V] = {[plan.P, v.shape[2], k.shape[-1], v.shape[-1]]} for this "
+                             f"plan, got {list(starts.shape)}")
+        H = starts
+        skip = torch.where(win.fallback, 0, SKIP_ALL).to(torch.int32)
+        M = _transitions(q, k, v.new_empty(1, v.shape[1], v.shape[2], k.shape[-1]), g_cumsum, _as_param(beta, fks),
+                         A, plan, win.fallback, skip, scale=scale, chunk_fwd=fks.chunk_fwd, state_dtype=sd)
+        scan = scan or ("kernel" if _kernel_scan(M, fks) else None)
+    b = _as_param(beta, bks)
+    h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
     Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
-                      take=None if win is None else win.take)
-    if win is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
-        M.masked_fill_(~win.fallback[:, :, None, None], 0)
+                      take=None if win is None or win.threshold is None else win.take)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
-    del M, E, H, Fp                                               # only dS goes on: less memory under chunk_bwd
+    del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
                                                 state_v_first=False)
-    first = torch.cat([plan.last_index[:1] * 0, plan.last_index[:-1] + 1])   # each sequence's first partition
-    dh0 = dh0p.index_select(0, first)
+    dh0 = dh0p.index_select(0, plan.first_index)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()
     return dq, dk, dv, dbeta, dG, dh0

@@ -252,7 +252,7 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
 
 
 def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
-                seq_len: Optional[int] = None, warmup: Optional[bool] = None) -> dict:
+                seq_len: Optional[int] = None, warmup: Optional[bool] = None, starts_saved: bool = False) -> dict:
     """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
     whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
     partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
@@ -262,7 +262,10 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs): the end gradients' warm-up may run; it runs
     where `warmup_pays_bwd` (``warmup`` in the result), and then ``cp`` is its expected time (chunk_dstate over the
     windows, ``start``, plus `WARMUP_BWD_US`) and ``cp_worst`` the exact F pass plus `WARMUP_BWD_US` (every head
-    falls back). Otherwise both are the exact path's time."""
+    falls back). Otherwise both are the exact path's time. `starts_saved`: the unsplit forward saved the
+    partitions' start states (`cp.cp_chunk_bwd`'s `starts`): no E pass and no forward scan, and the M pass walks
+    only the partitions that are not their sequence's first, with the warm-up only its fallback heads
+    (`WARMUP_FALLBACK`)."""
     if warmup is None:
         warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
@@ -272,8 +275,6 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
     parts = _parts(chunks, L).items()
     P, J = bounds(T, N, L, seq_len)
-    m = _summary_pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
-    e = _summary_pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
     states = RECOMPUTE_FACTOR * _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
@@ -282,10 +283,19 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     warm = bool(warmup) and warmup_pays_bwd(parts=dict(parts), cont=cont, HV=HV, sms=sms)
     start = _start_us(dict(parts), HV, sms, cont) if warm else exact
     fixed = WARMUP_BWD_US if warm else 0.0
-    rest = m + e + 2 * scan_us + states + bwd + BWD_FIXED_US + fixed
+    if starts_saved:
+        hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))       # fallback heads
+        m_exact = _summary_pass_us([(ch, n * HV * NK) for ch, n in cont.items()], sms)
+        m = _summary_pass_us([(ch, n * hf * NK) for ch, n in cont.items()], sms) if warm else m_exact
+        e, scans = 0.0, scan_us
+    else:
+        m = m_exact = _summary_pass_us([(ch, n * HV * NK) for ch, n in parts], sms)
+        e, scans = _summary_pass_us([(ch, n * HV * NV) for ch, n in parts], sms), 2 * scan_us
+    rest = e + scans + states + bwd + BWD_FIXED_US + fixed
     return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd,
-                cp=rest + start, cp_worst=rest + exact, warmup=warm, warmup_us=fixed, m=m, e=e,
-                scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J)
+                cp=rest + m + start, cp_worst=rest + m_exact + exact, warmup=warm, warmup_us=fixed, m=m, e=e,
+                scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J,
+                starts_saved=bool(starts_saved))
 
 
 def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
@@ -314,11 +324,11 @@ def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int
 
 
 def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-               force: bool = False, warmup: Optional[bool] = None) -> int:
+               force: bool = False, warmup: Optional[bool] = None, starts_saved: bool = False) -> int:
     """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
-    as in `choose`, `warmup` as `predict_bwd` takes it."""
+    as in `choose`, `warmup` and `starts_saved` as `predict_bwd` takes them."""
     return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
-                 lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
+                 lengths=lengths, seq_len=seq_len, force=force, warmup=warmup, starts_saved=starts_saved)
 
 
 def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,

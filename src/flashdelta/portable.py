@@ -331,8 +331,8 @@ def _check_chunk_counts(name: str, counts: Optional[Tensor], N: int, HV: int) ->
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, compute_dtype=None,
-              operand_dtype=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
+              compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
@@ -341,7 +341,10 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     initial state, so its final state is the state after its last chunk of a walk over the chunks from there. o on
     the skipped chunks is unspecified. Applied on the device (a mask per step), no host read. `zero_values`: the
     values are zero (context parallelism's M pass); v gives only its shape and dtype. `states_only`: o is returned
-    as None (context parallelism's M and E passes)."""
+    as None (context parallelism's M and E passes). `partition_starts` ``(L, slot [N] integer, P)``: also return,
+    third, the state entering every L-th chunk of each sequence (and its initial state) at slot ``slot[n] + c // L``
+    of a ``[P, HV, K, V]`` tensor in the state dtype, K-first, 0 on slots no sequence owns (context parallelism's
+    partition start states, saved by the training forward for its backward)."""
     if zero_values:
         v = torch.zeros_like(v)
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
@@ -356,7 +359,20 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     S = _state_in(initial_state, lay.N, HV, K, V, state_v_first, cd, q.device, "initial_state")
     oc = torch.zeros(lay.NT, HV, lay.BT, V, dtype=cd, device=q.device)
     tril = _tril(lay.BT, q.device)
+    starts = None
+    if partition_starts is not None:
+        L, slot, P = partition_starts
+        if int(L) < 1 or tuple(slot.shape) != (lay.N,) or slot.is_floating_point():
+            raise ValueError(f"partition_starts: (L >= 1, an integer [N] = [{lay.N}] slot tensor, P), got "
+                             f"L={L}, slot {slot.dtype} {tuple(slot.shape)}")
+        if chunk_skip is not None or zero_values or states_only:
+            raise ValueError("partition_starts: not with chunk_skip, zero_values or states_only")
+        slot = slot.to(device=q.device, dtype=torch.long)
+        starts = S.new_zeros(int(P), HV, K, V)
+        starts[slot] = S
     for c, (ids, seqs) in enumerate(lay.steps):
+        if starts is not None and c and c % L == 0:
+            starts[slot[seqs] + c // L] = S[seqs]
         O, S1 = _fwd_step(qc[ids][:, hmap], kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S[seqs],
                           scale=scale, rnd=rnd, tril=tril, need_o=not states_only)
         if not states_only:
@@ -365,7 +381,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
             S1 = torch.where((chunk_skip[seqs].to(q.device) <= c)[:, :, None, None], S1, S[seqs])
         S[seqs] = S1
     o = None if states_only else _scatter(oc, lay, v.dtype)
-    return o, _state_out(S, state_v_first, _state_dtype(cd))
+    ht = _state_out(S, state_v_first, _state_dtype(cd))
+    return (o, ht) if starts is None else (o, ht, starts.to(_state_dtype(cd)))
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64,

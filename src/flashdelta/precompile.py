@@ -160,6 +160,8 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
         fwd, bwd = cp_passes(request, HV, K, V, dtype, sms=sms, backward=backward)
         if fwd or bwd:
             out += _cp_builds(H, HV, K, V, dtype, sm90.stage_beta_dtype(beta_dtype, beta_act), opts["scale"], fwd, bwd)
+        if bwd:         # the unsplit forward saving the backward's partition start states
+            out += sm90.starts_builds([(H, HV)], **opts, beta_act=beta_act)
     if decode:
         out += sm90.decode_builds(heads, **opts, qk_l2norm=qk_l2norm, **dec, beta_act=beta_act)
     return _unique(out)

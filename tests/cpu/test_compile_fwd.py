@@ -162,6 +162,36 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+def test_partition_starts_builds_compile(tmp_path):
+    """The training forward's builds that save the backward's partition start states (`partition_starts`): listed
+    under their own cache keys (`sm90.starts_builds`, and by `precompile.variants` where CP may split the backward),
+    they compile for sm_90a, pass the hang checks, take `starts` fp32, `slot` int32 and the scalar `every`, and keep
+    the default build's budget (no spills, no stack frame)."""
+    import concurrent.futures
+
+    from _builds import hang_checks, ptxas_report
+
+    opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
+                scale=SCALE)
+    lb = sm90.starts_builds([(2, 8)], **opts)
+    assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
+                                                            torch.float32, SCALE, h0, False)
+                                     + (False, False, False, False, True) for h0 in (False, True)]
+    assert all(label.endswith(" starts") for label, _, _ in lb)
+    listed = {(b.__name__, a) for _, b, a in precompile.variants([(16, 32)], backward=True, context_parallel="auto",
+                                                                 num_sms=132)}
+    assert all((b.__name__, a) in listed for _, b, a in sm90.starts_builds([(16, 32)], **opts))
+    with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
+        kernels = list(pool.map(lambda x: x[1](*x[2]), lb))
+    for (label, _, _), kernel in zip(lb, kernels):
+        src = kernel.get_kernel_source()
+        assert hang_checks(src, kernel.get_host_source()) == [], label
+        sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+        assert "float* __restrict__ starts" in sig and "const int* __restrict__ slot" in sig and "int every" in sig
+        report = ptxas_report(src, tmp_path, label.replace(" ", "_"))
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
 @pytest.mark.parametrize("lengths,ctas,want", [
     ((1, 65, 700, 1500, 3000), 32, [4, 3, 2, 1, 0, 5]),      # longest first, the padding tail's item last
     ((10, 10, 0, 30), 100, [3, 0, 1, 2, 4]),                 # ties by index, the empty sequence before the tail

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import Case, assert_close, make_inputs
+from _helpers import Case, assert_close, make_inputs, split_backward_only
 from flashdelta import chunk_gated_delta_rule, cp, dispatch, portable
 from flashdelta.reference import cp as rcp
 from flashdelta.stages import KernelSet, Stage
@@ -198,33 +198,67 @@ def _grads(x, cpv, use_ht, seed=3):
 BWD_CASES = [(c, L, use_ht) for (c, L), use_ht in zip(API_CASES, (True, False, True, False))]
 
 
+@pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
 @pytest.mark.parametrize("case,L,use_ht", BWD_CASES, ids=[f"{c[0].name}-{'dht' if c[2] else 'nodht'}"
                                                          for c in BWD_CASES])
-def test_cp_backward_equals_serial(case, L, use_ht, monkeypatch):
+def test_cp_backward_equals_serial(case, L, use_ht, fwd_split, monkeypatch):
     """Every gradient with the backward split equals the serial backward's to fp32 rounding: ragged partition
     edges, sequences shorter than a partition, an empty one, many short with one long, a never-decaying head
-    (model gates' head 0), h0 present / absent, dht present / absent, GVA, both state layouts, dense input."""
+    (model gates' head 0), h0 present / absent, dht present / absent, GVA, both state layouts, dense input; with
+    the forward split as well (the backward computes its start states: M, E, the scan) and with the forward serial
+    (it saves them, `partition_starts`, and the backward reads them)."""
     x = make_inputs(case, dtype=torch.float32)
-    calls = []
-    real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
     ref = _grads(x, False, use_ht)
-    assert calls == []
+    calls = split_backward_only(monkeypatch) if not fwd_split else []
+    if fwd_split:
+        real = cp.cp_chunk_bwd
+        monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw.get("starts")))
+                            or real(*a, **kw))
     got = _grads(x, L, use_ht)
-    assert calls == [L], "the backward split"
+    assert [c[0] for c in calls] == [L], "the backward split"
+    assert (calls[0][1] is None) == fwd_split, "the saved start states are used exactly where the forward was serial"
     names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES if x[n] is not None)
     for name, a, b in zip(names, got, ref):
         assert_close(name, a, b, tol=2e-6)
 
 
-def test_cp_backward_float64_exact():
-    """At float64 the CP backward equals the serial one to ~1e-13 (the portable path computes in float64)."""
+@pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
+def test_cp_backward_float64_exact(fwd_split, monkeypatch):
+    """At float64 the CP backward equals the serial one to ~1e-13 (the portable path computes in float64), with
+    its start states computed or saved by the forward."""
     case, L = API_CASES[0]
     x = make_inputs(case, dtype=torch.float32)
     x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
     names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES)
-    for name, a, b in zip(names, _grads(x, L, True), _grads(x, False, True)):
+    ref = _grads(x, False, True)
+    calls = [] if fwd_split else split_backward_only(monkeypatch)
+    for name, a, b in zip(names, _grads(x, L, True), ref):
         assert_close(name, a, b, tol=1e-12)
+    assert fwd_split or (calls and calls[0][1] is not None and calls[0][1].dtype == F64)
+
+
+def test_partition_starts_match_the_reference_scan():
+    """`chunk_fwd(partition_starts=...)` (portable, float64) gives every partition's exact start state: the float64
+    reference's `scan_states` over `partition_summaries`, at the plan's slots (ragged edges, empty and short
+    sequences, h0 present); slots no sequence owns are 0; o and the final state are unchanged."""
+    for case, L in API_CASES[:2]:
+        x = make_inputs(case, dtype=torch.float32)
+        q, k, v, beta = (_flat(x, n).to(F64) for n in ("q", "k", "v", "beta"))
+        cu = x["cu_seqlens"] if x["cu_seqlens"] is not None else torch.tensor([0, q.shape[1]])
+        g_cumsum, A = portable.prepare_fwd(k, _flat(x, "g").to(F64), beta, cu)
+        h0 = None if x["initial_state"] is None else x["initial_state"].to(F64)
+        plan = cp.make_plan(cu, q.shape[1], L)
+        o0, ht0 = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.3)
+        o, ht, starts = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.3,
+                                           partition_starts=(L, plan.first_index, plan.P))
+        assert torch.equal(o, o0) and torch.equal(ht, ht0)
+        parts = rcp.partition(cu, L)
+        E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
+        want = rcp.scan_states(E, M, parts, h0)[0]
+        assert_close("starts", starts[:want.shape[0]], want, tol=1e-12)
+        assert not starts[want.shape[0]:].any()
+    with pytest.raises(ValueError, match="partition_starts"):
+        portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.3, partition_starts=(0, plan.first_index, 4))
 
 
 def test_cp_under_torch_compile_fullgraph():
@@ -323,9 +357,11 @@ def test_decide_on_the_cost_model(monkeypatch):
     # splits only the backward, 2/4 1x8192 both, a batch that fills the GPU neither
     kb = dict(kw, kset=ks_bwd)
     fwd, bwd = cp.decode(cp.decide("auto", T=8192, HV=32, N=1, lengths=[8192], **kb))
-    assert fwd == 0 and bwd > 0 and 32 * (128 // bwd) <= 132, (fwd, bwd)
-    pb = cp.predict_bwd(T=8192, N=1, HV=32, K=128, V=128, L=bwd, sms=132, lengths=[8192])
-    assert pb["cp"] < cp.MARGIN * pb["serial"] and pb["serial"] > 2500
+    assert fwd == 0 and bwd > 0, (fwd, bwd)
+    # the unsplit forward saves the start states: the model the decision takes has no E pass and one scan
+    pb = cp.predict_bwd(T=8192, N=1, HV=32, K=128, V=128, L=bwd, sms=132, lengths=[8192], starts_saved=True)
+    assert pb["cp"] < cp.MARGIN * pb["serial"] and pb["serial"] > 2500 and pb["e"] == 0
+    assert pb["cp"] < cp.predict_bwd(T=8192, N=1, HV=32, K=128, V=128, L=bwd, sms=132, lengths=[8192])["cp"]
     # 2/4 1x8192: the backward splits; the forward's sequence is below MIN_SEQ_CHUNKS (measured: no gain at 8k)
     assert cp.decode(cp.decide("auto", T=8192, HV=4, N=1, lengths=[8192], **kb))[1] > 0
     assert cp.decode(cp.decide("auto", T=8192, HV=4, N=1, lengths=[8192], **kb))[0] == 0
@@ -336,8 +372,10 @@ def test_decide_on_the_cost_model(monkeypatch):
         "auto", T=32768, HV=8, N=1, varlen=True, **kw))[0]
     code = cp.decide("auto", T=8192, HV=32, N=1, varlen=True, **kb)
     assert cp.resolve_code(code, T=8192, HV=32, N=1, varlen=True, backward=True, **kb) == cp.decode(code)[1]
+    # traced (CP_AUTO): no start states are saved, so the backward's model is the one with the E pass
     assert cp.resolve_code(cp.CP_AUTO, T=8192, HV=32, N=1, varlen=True, backward=True, bwd_kset=ks_bwd,
-                           **kb) == cp.decode(code)[1]
+                           **kb) == cp.choose_bwd(T=8192, N=1, HV=32, K=128, V=128, sms=132, seq_len=None,
+                                                  warmup=True)
     assert cp.resolve_code(cp.CP_AUTO, T=8192, HV=32, N=1, varlen=True, backward=True, bwd_kset=portable_set,
                            **kb) == 0                                       # chunk_bwd on the portable path
     with pytest.raises(ValueError, match="code"):

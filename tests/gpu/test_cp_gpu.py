@@ -20,7 +20,7 @@ compared with, `flashdelta.precompile.variants`); compile them on the CPU machin
 """
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs
+from _helpers import Case, assert_close, make_inputs, split_backward_only
 
 from flashdelta import chunk_gated_delta_rule, cp, portable
 from flashdelta.reference import cp as rcp
@@ -42,6 +42,7 @@ def builds() -> list:
     todo = [(c, False) for c, _ in CASES] + [(c, True) for c, _ in BWD_CASES]
     todo += [(c, False) for c, _ in WARM_CASES] + [(SKIP_CASE, False), (WARM_GRAPH, False)]
     todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True)]
+    todo += [(c, True) for c in STARTS_CASES]
     todo += [(c, True) for c, _ in BWD_WARM_CASES] + [(TAKE_CASE, True), (BWD_WARM_GRAPH, True)]
     out = {}
     for case, backward in todo:
@@ -544,20 +545,27 @@ def _bwd_inputs(case, with_dht: bool):
     return x, do, torch.randn(shape, generator=gen, device="cuda") if with_dht else None
 
 
+@pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
 @pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
-def test_cp_backward_matches_recurrence_and_serial(i, monkeypatch):
+def test_cp_backward_matches_recurrence_and_serial(i, fwd_split, monkeypatch):
+    """With the forward split too (the backward computes its partitions' start states) and with the forward serial
+    (it saves them, `chunk_fwd(partition_starts=...)`, and the backward reads them)."""
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     case, L = BWD_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
     x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
-    calls = []
-    real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(kw["plan"].L) or real(*a, **kw))
     _, ser = _cp_grads(x, False, do, dht)
-    assert calls == []
+    calls = []
+    if fwd_split:
+        real = cp.cp_chunk_bwd
+        monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw.get("starts")))
+                            or real(*a, **kw))
+    else:
+        calls = split_backward_only(monkeypatch)
     o, got = _cp_grads(x, L, do, dht)
-    assert calls == [L], "the backward split"
+    assert [c[0] for c in calls] == [L], "the backward split"
+    assert (calls[0][1] is None) == fwd_split, "the saved start states are used exactly where the forward was serial"
     x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
            for n, t in x.items()}
     o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
@@ -579,8 +587,8 @@ AUTO_BWD = Case("cp-auto-bwd", (8192,), H=16, HV=32, K=128, V=128)
 
 
 def test_auto_splits_the_backward_alone(monkeypatch):
-    """16/32 1x8192: the forward fills 64 CTAs and stays serial; the backward (32 CTAs of 128 chunks, ~22 us each)
-    splits."""
+    """16/32 1x8192: the forward fills 64 CTAs and stays serial (and saves the backward's partition start states);
+    the backward (32 CTAs of 128 chunks, ~11 us each) splits."""
     monkeypatch.delenv(cp.ENV_CP, raising=False)
     monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
     x = make_inputs(AUTO_BWD, dtype=torch.bfloat16, device="cuda")
@@ -592,16 +600,55 @@ def test_auto_splits_the_backward_alone(monkeypatch):
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
     plans = []
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or plans.append(
-        (kw["plan"], a[0])) or real_b(*a, **kw))
+        (kw["plan"], kw.get("starts"))) or real_b(*a, **kw))
     _, auto = _cp_grads(x, None, do, None)
     assert fwd == [] and len(bwd) == 1 and bwd[0] > 0, (fwd, bwd)
-    plan, q = plans[0]
+    plan, starts = plans[0]
     assert plan.warmup == "auto"
-    assert cp._threshold(plan, q, AUTO_BWD.HV, AUTO_BWD.K, AUTO_BWD.V, backward=True) is None, \
-        "one wave of F either way: the exact end gradients"
+    assert starts is not None and starts.shape == (plan.P, AUTO_BWD.HV, AUTO_BWD.K, AUTO_BWD.V), \
+        "the serial forward saved the partitions' start states"
     _, off = _cp_grads(x, False, do, None)
     for n in auto:
         assert_close(GRAD_NAMES[n], auto[n], off[n], tol=2e-2)
+
+
+STARTS_CASES = [Case("cp-starts-one", (2000,), H=2, HV=8, K=128, V=128),
+                Case("cp-starts-varlen", (700, 1, 0, 300, 1300), H=2, HV=8, K=128, V=128, pad=5, h0=False)]
+
+
+@pytest.mark.parametrize("case", STARTS_CASES, ids=[c.name for c in STARTS_CASES])
+def test_partition_starts_kernel(case):
+    """`chunk_fwd(partition_starts=(L, slot, P))` on the SM90 kernel: o and the final state bit for bit the plain
+    build's; each partition start state bit for bit the final state of the same walk cut at that chunk (one
+    sequence: cu_seqlens ending there, the rest a padding tail), and against the float64 twin's (portable,
+    float64) at fp32 state rounding; slots no sequence owns are 0; the initial state (or 0) at each first slot,
+    an empty sequence's included."""
+    from flashdelta.kernels import fused_fwd, prepare
+
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    h0 = x["initial_state"]
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    L = 3
+    plan = cp.make_plan(cu, q.shape[1], L)
+    kw = dict(scale=case.K ** -0.5)
+    o0, ht0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, **kw)
+    o, ht, starts = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, partition_starts=(L, plan.first_index,
+                                                                                               plan.P), **kw)
+    assert torch.equal(o, o0) and torch.equal(ht, ht0)
+    parts = rcp.partition(cu, L)
+    used = len(parts.seq)
+    assert not starts[used:].any()
+    if len(case.seqlens) == 1:
+        for j in range(used):
+            cut = torch.tensor([0, j * L * 64], dtype=torch.int32, device="cuda")
+            _, hj = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cut, **kw)
+            assert torch.equal(starts[j], hj[0]), j
+    f64 = {n: t.double() for n, t in dict(q=q, k=k, v=v, beta=beta).items()}
+    _, _, want = portable.chunk_fwd(f64["q"], f64["k"], f64["v"], g_cumsum.double(), f64["beta"], A.double(),
+                                    None if h0 is None else h0.double(), cu, partition_starts=(L, plan.first_index,
+                                                                                              plan.P), **kw)
+    assert_close("starts", starts[:used], want[:used].float(), tol=2e-2)
 
 
 BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)

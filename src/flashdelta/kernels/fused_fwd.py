@@ -89,7 +89,7 @@ TABLE = timeline.Table(
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
           has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False,
-          zero_v: bool = False, states_only: bool = False):
+          zero_v: bool = False, states_only: bool = False, save_starts: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
@@ -101,7 +101,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
     once. states_only: only the final state (context parallelism's M and E passes, whose o is discarded): no o is
     computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs, no q loads and no q,
-    Pg or o tiles in shared memory.
+    Pg or o tiles in shared memory. save_starts: also write the fp32 state entering chunk c of sequence n wherever
+    ``c % every == 0`` (and sequence n's initial state, also for an empty sequence) to ``starts [P, HV, K, V]`` at
+    slot ``slot[n] + c // every``: the start state of every partition of `every` chunks (context parallelism's
+    backward, which then needs no summary passes for its start states), by per-thread stores once per partition.
     Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
@@ -123,6 +126,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
     v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
     o_t = T.Tensor((1, 1, 1, V), dtype) if states_only else T.Tensor((1, T_, HV, V), dtype)
+    assert not (save_starts and (save_states or chunk_skip or zero_v or states_only)), "save_starts: chunk_fwd only"
+    starts_t = T.Tensor((T.dynamic("P"), HV, K, V), acc) if save_starts else None
+    slot_t = T.Tensor((N_,), "int32") if save_starts else None
+    every_t = T.int32 if save_starts else None
 
     def walk_start(bos, eos, skip, i_n, i_hv):
         # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (clamped, so that no product
@@ -149,6 +156,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             for i, j in T.Parallel(BV, BT):
                 o_f[i, j] = o_f[i, j] * dq_s[pb, j]
             T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)        # O^T += Vd^T Pg^T
+
+    @T.macro
+    def save_start(s_f, starts, p, i_hv, v0):
+        # the fp32 state entering a partition's first chunk -> starts[p] (K-first, as the final state is stored)
+        for i, j in T.Parallel(BV, K):
+            starts[T.cast(p, "int64"), i_hv, j, v0 + i] = s_f[i, j]
 
     @T.macro
     def scale_state(s_f, el_s, pb):
@@ -321,6 +334,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
         skip: skip_t,
+        starts: starts_t,
+        slot: slot_t,
+        every: every_t,
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
@@ -400,6 +416,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                                 s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
                     else:
                         T.clear(s_f)
+                    if save_starts:
+                        save_start(s_f, starts, slot[i_n], i_hv, v0)
                     # Software-pipelined: chunk c+1's V^T Ag^T runs under chunk c's tail, and chunk c's o staging
                     # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
                     # conditionally (ptxas would serialize every wgmma).
@@ -427,6 +445,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                                          transpose_B=True, clear_accum=True)
                             T.wait_wgmma(1)
                             mark(c, "s.tail")
+                            if save_starts:
+                                if (c + 1) % every == 0:
+                                    save_start(s_f, starts, slot[i_n] + (c + 1) // every, i_hv, v0)
                             issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot0 + c + 1,
                                      i_hv, v0, tx)
                             release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
@@ -521,27 +542,29 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
-                    chunk_skip=(False,), zero_values=False, states_only=False) -> list:
+                    chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
-    builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds) and `states_only` (no o)
-    are what only context parallelism launches (`cp.builds`)."""
+    builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o)
+    and `partition_starts` (the training forward's partition start states) are what only context parallelism
+    launches (`cp.builds`)."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
             args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
             for skip in chunk_skip:
-                flags = _flags(False, skip, zero_values, states_only)
+                flags = _flags(False, skip, zero_values, states_only, partition_starts)
                 out.append((label + (" skip" if skip else "") + (" zero_v" if zero_values else "")
-                            + (" states" if states_only else ""), build, args + flags))
+                            + (" states" if states_only else "") + (" starts" if partition_starts else ""), build,
+                            args + flags))
     return out
 
 
-def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool) -> tuple:
+def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool, save_starts: bool = False) -> tuple:
     """The trailing `build` arguments of these flags, as short as the defaults allow (the default builds keep the
     cache keys they had before the flags existed)."""
-    flags = (save_states, chunk_skip, zero_v, states_only)
+    flags = (save_states, chunk_skip, zero_v, states_only, save_starts)
     while flags and not flags[-1]:
         flags = flags[:-1]
     return flags
@@ -557,7 +580,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -575,15 +598,22 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             parallelism's M pass, without a zero tensor to fill and read.
         states_only: only the final state is computed (o is returned as None): context parallelism's M and E
             passes.
+        partition_starts: None, or ``(L, slot, P)``: also return the fp32 state entering every L-th chunk of each
+            sequence (and its initial state), K-first, in ``[P, HV, K, V]`` at slot ``slot[n] + c // L`` (``slot``
+            ``[N]`` int32): the start states of context parallelism's partitions of L chunks (`flashdelta.cp`,
+            ``slot`` its plan's first partition of each sequence). Slots no sequence owns are 0. Not with the
+            other context-parallel options.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
-        `state_v_first`. One launch of (N + 1) * HV * V / 64 CTAs; no host synchronisation.
+        `state_v_first`; with partition_starts the start states third. One launch of (N + 1) * HV * V / 64 CTAs;
+        no host synchronisation.
     """
-    o, ht, _ = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                       state_v_first=state_v_first, chunk_size=chunk_size, save_states=False, chunk_skip=chunk_skip,
-                       zero_values=zero_values, states_only=states_only)
-    return o, ht
+    o, ht, starts = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,
+                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
+                            partition_starts=partition_starts)
+    return (o, ht) if partition_starts is None else (o, ht, starts)
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
@@ -598,9 +628,10 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            save_states, chunk_skip=None, zero_values=False, states_only=False):
-    """Both launchers' body: (o, ht, None), or (o, hs, ht) with save_states; `chunk_skip`, `zero_values` and
-    `states_only` (o None) as `chunk_fwd` takes them (`zero_values` not with save_states)."""
+            save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None):
+    """Both launchers' body: (o, ht, None), (o, hs, ht) with save_states, or (o, ht, starts) with
+    partition_starts; `chunk_skip`, `zero_values`, `states_only` (o None) and `partition_starts` as `chunk_fwd`
+    takes them (`zero_values` not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -620,12 +651,22 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
         assert not save_states and tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
             "chunk_skip: integer [N, HV], chunk_fwd only"
         chunk_skip = chunk_skip.to(torch.int32).contiguous()
+    starts = None
+    if partition_starts is not None:
+        L, slot, P = partition_starts
+        assert not (save_states or chunk_skip is not None or zero_values or states_only) and L >= 1, \
+            "partition_starts: chunk_fwd alone, L >= 1"
+        assert tuple(slot.shape) == (N,) and not slot.dtype.is_floating_point, "partition_starts: slot [N] integer"
+        starts = torch.zeros(P, HV, K, V, dtype=torch.float32, device=dev)
+        slot = slot.to(torch.int32).contiguous()
     if T_ == 0:  # no tokens: every sequence is empty (a TMA descriptor cannot describe an empty tensor)
         if initial_state is None:
             ht.zero_()
         else:
             ht.copy_(initial_state)
-        return (o, hs, ht) if hs is not None else (o, ht, None)
+        if starts is not None and N:
+            starts.index_copy_(0, slot.long(), ht.transpose(-1, -2) if state_v_first else ht)
+        return (o, hs, ht) if hs is not None else (o, ht, starts)
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
@@ -637,5 +678,8 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     extra = (hs,) if hs is not None else ()
     if chunk_skip is not None:
         extra += (chunk_skip,)
-    build(*args, *_flags(save_states, chunk_skip is not None, zero_values, states_only))(*tensors, *extra)
-    return (o, hs, ht) if hs is not None else (o, ht, None)
+    if starts is not None:
+        extra += (starts, slot, int(partition_starts[0]))
+    build(*args, *_flags(save_states, chunk_skip is not None, zero_values, states_only,
+                         starts is not None))(*tensors, *extra)
+    return (o, hs, ht) if hs is not None else (o, ht, starts)

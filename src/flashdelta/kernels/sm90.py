@@ -61,6 +61,19 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
     return out
 
 
+def starts_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
+                  h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
+                  state_v_first: tuple = (False,), beta_act: int = 0) -> list:
+    """(label, builder, args) of the training forward's builds that also save the backward's partition start
+    states (`fused_fwd.chunk_fwd(partition_starts=...)`, where context parallelism splits the backward alone),
+    options as in `forward_builds`."""
+    K, V = head_dim
+    chunk_beta = stage_beta_dtype(beta_dtype, beta_act)
+    return [b for H, HV in heads
+            for b in fused_fwd.launcher_builds(H, HV, K, V, dtype, chunk_beta, h0_dtype, scale, initial_state,
+                                               state_v_first, partition_starts=True)]
+
+
 def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state: tuple = (False, True),
                     state_v_first: tuple = (False,), qk_l2norm: bool = True, beta_act: int = 0) -> list:

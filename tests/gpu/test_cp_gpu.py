@@ -655,12 +655,14 @@ BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=1
 BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["exact", "warmup"])
-def test_cp_forward_backward_graph_replays_with_new_lengths(warm, monkeypatch):
+@pytest.mark.parametrize("warm,fwd_split", [(False, True), (True, True), (False, False)],
+                         ids=["exact", "warmup", "exact-fwd-serial"])
+def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, monkeypatch):
     """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
     with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
     rounding. With the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1, benchmark gates: the backward's windows
-    on the device) the replays also take new gates."""
+    on the device) the replays also take new gates. With the forward serial (`fwd_split` False) the forward saves
+    the backward's partition start states inside the graph (its plan kernel and start-state stores)."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
     monkeypatch.setenv(cp.ENV_WARMUP, "1" if warm else "auto")
     case = BWD_WARM_GRAPH if warm else BWD_GRAPH
@@ -670,16 +672,22 @@ def test_cp_forward_backward_graph_replays_with_new_lengths(warm, monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(5)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
     calls = []
-    real = cp.cp_chunk_bwd
-    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw["plan"].warmup)) or real(
-        *a, **kw))
+    if fwd_split:
+        real = cp.cp_chunk_bwd
+        monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw["plan"].warmup))
+                            or real(*a, **kw))
+    else:
+        starts = split_backward_only(monkeypatch)
 
     def step(cpv=4):
         o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
         return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
 
     graph, g_graph = _capture(step)
-    assert calls == [(4, "on" if warm else "auto")] * 2
+    if fwd_split:
+        assert calls == [(4, "on" if warm else "auto")] * 2
+    else:
+        assert [L for L, _ in starts] == [4, 4] and all(t is not None for _, t in starts), "the saved start states"
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))

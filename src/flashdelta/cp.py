@@ -202,11 +202,9 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
               seq_len=None if varlen else T, force=force)
     warm = warmup_threshold(parse_warmup(None), dtype) is not None
     fwd = choose(**kw, warmup=warm)
-    # Where the forward stays unsplit it saves the backward's partition start states (`autograd`, `cp_chunk_bwd`'s
-    # `starts`), which makes every split backward cheaper. The choice itself still takes the model without them
-    # (`starts_saved=False`): with the backward constants as last fitted (chunk_bwd 18.3 us a chunk, measured ~11)
-    # the cheaper model split rows that measured slower split (16/32 6413+6673+10954+8728 at L = 128: 2.644 ms vs
-    # 2.533 serial; 1875+...+141 at L = 12: 0.899 vs 0.761), so it waits for bench/dev/fit_cp.py --bwd's refit.
+    # Where the forward stays unsplit it saves the backward's partition start states, which makes a split backward
+    # cheaper; the choice still takes the model without them (`starts_saved=False`) until the backward constants
+    # are refitted: docs/dev/cp.md, "Saved partition starts".
     bwd = choose_bwd(**kw, warmup=warm) if force or supported_bwd(kset, K, V, dtype) else 0
     return encode(fwd, bwd)
 

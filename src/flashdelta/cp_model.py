@@ -180,6 +180,12 @@ def _first_parts(chunks: list, L: int) -> dict:
     return parts
 
 
+def _fallback_heads(HV: int) -> int:
+    """The value heads the warm-up's expected time assumes fall back to the exact path: `WARMUP_FALLBACK` of HV,
+    at least one."""
+    return min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))
+
+
 def _start_us(parts: dict, HV: int, sms: int, cont: Optional[dict] = None) -> float:
     """chunk_dstate's microseconds, `START_GRAD_FACTOR` of a chunk_bwd launch over the same CTAs (one per partition
     and value head): exact over `parts` ({chunks: count}, every partition), or with the warm-up over `cont` (the
@@ -187,7 +193,7 @@ def _start_us(parts: dict, HV: int, sms: int, cont: Optional[dict] = None) -> fl
     the heads walk whole partitions, the rest `WARMUP_CHUNKS` chunks."""
     if cont is None:
         return START_GRAD_FACTOR * _bwd_pass_us([(ch, n * HV) for ch, n in parts.items()], sms)
-    hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))          # fallback heads
+    hf = _fallback_heads(HV)
     items = [(ch, n * hf) for ch, n in cont.items()] + [(min(WARMUP_CHUNKS, ch), n * (HV - hf))
                                                         for ch, n in cont.items()]
     if not items:
@@ -210,7 +216,7 @@ def _summary_us(inner: int, HV: int, K: int, V: int, L: int, sms: int, warmup: b
     NV, NK = max(1, V // 64), max(1, K // 64)
     if not warmup:
         return _summary_pass_us([(L, inner * HV * NK)], sms), _summary_pass_us([(L, inner * HV * NV)], sms)
-    hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))          # fallback heads
+    hf = _fallback_heads(HV)
     return _summary_pass_us([(L, inner * hf * NK)], sms), _summary_pass_us(
         [(L, inner * hf * NV), (min(WARMUP_CHUNKS, L), inner * (HV - hf) * NV)], sms)
 
@@ -284,7 +290,7 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     start = _start_us(dict(parts), HV, sms, cont) if warm else exact
     fixed = WARMUP_BWD_US if warm else 0.0
     if starts_saved:
-        hf = min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))       # fallback heads
+        hf = _fallback_heads(HV)
         m_exact = _summary_pass_us([(ch, n * HV * NK) for ch, n in cont.items()], sms)
         m = _summary_pass_us([(ch, n * hf * NK) for ch, n in cont.items()], sms) if warm else m_exact
         e, scans = 0.0, scan_us

@@ -33,7 +33,9 @@ given, fp32 beta):
   (chunk_dstate over chunk_bwd on the same partitions) and `WARMUP_BWD_US` (the backward's windows, the mean over the
   rows; the measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
-  picks with the shipped and the fitted constants) and `cp.predict_bwd`'s prediction beside each measured L.
+  picks with the shipped constants as `cp.decide` asks (without saved starts) and with the fitted constants and
+  ``starts_saved`` where the forward stays serial) and `cp.predict_bwd`'s prediction (``starts_saved`` likewise)
+  beside each measured L.
 
     source .device/bootstrap.sh; python3 -u bench/dev/fit_cp.py            # the whole grid (~4-6 min)
     python3 -u bench/dev/fit_cp.py --heads 2/8 --seqlens 1x32768 --L 32 64  # one row
@@ -409,6 +411,7 @@ def bwd_main(args):
             T, N = q.shape[1], len(seqlens)
             kw = dict(T=T, N=N, HV=HV, K=128, V=128, sms=sms, lengths=list(seqlens))
             Lf = cp.choose(**kw)
+            kwb = dict(kw, starts_saved=Lf == 0)    # the unsplit forward saves the backward's partition starts
             g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
             h_serial = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu)
 
@@ -428,7 +431,7 @@ def bwd_main(args):
                      "bwd_pass_serial": lambda: kbwd.chunk_bwd(q, k, v, g_cumsum, beta, A, h_serial, do, dht, cu,
                                                                scale=scale)}
             plans, gwins = {}, {}
-            for L in sorted(set(args.L) | {cp.choose_bwd(**kw)} - {0}):
+            for L in sorted(set(args.L) | {cp.choose_bwd(**kw), cp.choose_bwd(**kwb)} - {0}):
                 if L >= -(-max(seqlens) // 64):
                     continue
                 plan = plans[L] = cp.make_plan(cu, T, L)
@@ -495,13 +498,13 @@ def bwd_main(args):
             fbt = {L: us[f"fb_L{L}"] for L in plans if f"fb_L{L}" in us}
             best = min([us["fb_off"]] + list(fbt.values()))
             best_L = min(fbt, key=fbt.get) if fbt and min(fbt.values()) < us["fb_off"] else 0
-            pred = {L: cp.predict_bwd(L=L, **kw) for L in plans}
+            pred = {L: cp.predict_bwd(L=L, **kwb) for L in plans}
             table.append(dict(heads=hh, seqlens=sl, kw=kw, off=us["fb_off"], auto=us["fb_auto"], fb=fbt, best=best,
-                              best_L=best_L, chosen=cp.choose_bwd(**kw), Lf=Lf))
+                              best_L=best_L, chosen=cp.choose_bwd(**kw), Lf=Lf, kwb=kwb))
             print(f"{hh:>6} {sl:>10}  fwd+bwd off {us['fb_off']:9.1f} us  auto(fwd L={Lf}, bwd L="
                   f"{cp.choose_bwd(**kw)}) {us['fb_auto']:9.1f}  "
                   + "  ".join(f"L{L} {t:9.1f}" for L, t in fbt.items()), flush=True)
-            ser = cp.predict_bwd(L=1, **kw)
+            ser = cp.predict_bwd(L=1, **kwb)
             print(f"{'':>17}  chunk_bwd serial {us['bwd_pass_serial']:.1f} (model {ser['serial_bwd']:.1f}), "
                   f"recompute serial {us['states_serial']:.1f} (model {ser['serial_states']:.1f}); "
                   + ", ".join(f"L{L}: pass {us.get(f'bwd_pass_L{L}', float('nan')):.1f} (model {pred[L]['bwd']:.1f}) "
@@ -525,7 +528,7 @@ def bwd_main(args):
     print("\nfitted constants (paste into src/flashdelta/cp.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
-    _chosen_vs_best(cp_model, fit, table, "fb", lambda r: cp.choose_bwd(**r["kw"]), off_over_auto=True)
+    _chosen_vs_best(cp_model, fit, table, "fb", lambda r: cp.choose_bwd(**r["kwb"]), off_over_auto=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 one backward inside cudaProfilerStart/Stop for Nsight Compute.
 
     source .device/bootstrap.sh; python3 bench/dev/profile_bwd.py --heads 16/32 --seqlens 1x8192 6413+6673+10954+8728
+    python3 bench/dev/profile_bwd.py --seqlens 6413+6673+10954+8728 --cp 0:128       # a chosen split
     ncu --clock-control none --section SourceCounters --section WarpStateStats -k regex:chunk_bwd \\
         --profile-from-start off -o /tmp/rep python3 bench/dev/profile_bwd.py --ncu --seqlens 6413+6673+10954+8728
 
@@ -56,7 +57,15 @@ def main():
     ap.add_argument("--seqlens", nargs="+", default=["1x8192"])
     ap.add_argument("--l2norm", action="store_true", help="use_qk_l2norm_in_kernel=True")
     ap.add_argument("--ncu", action="store_true", help="one backward inside cudaProfilerStart/Stop")
+    ap.add_argument("--cp", default=None, metavar="FWD:BWD",
+                    help="partition lengths (chunks, 0: serial) of the forward and the backward instead of the "
+                         "automatic decision, e.g. 0:128 (the forward serial saves the backward's partition starts)")
     args = ap.parse_args()
+    if args.cp is not None:
+        from flashdelta import cp
+
+        code = cp.encode(*map(int, args.cp.split(":")))
+        cp.decide = lambda *a, **kw: code
     os.environ.setdefault("FLASHDELTA_BACKEND", "sm90")     # a missing kernel raises (as the benchmark's provider)
     for hh in args.heads:
         h, hv = map(int, hh.split("/"))

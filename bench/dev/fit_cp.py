@@ -115,14 +115,14 @@ def _bwd_pass_row(items, sms):
 
 
 def _start_models(seqlens, HV, L, sms):
-    """(exact, expected with the warm-up, whether auto runs it): the model's chunk_dstate pass over L-chunk partitions
-    (`cp_model._start_us`), the warm-up's over the partitions that are not their sequence's first."""
+    """(exact, expected with the warm-up, whether auto runs it): the model's chunk_dstate pass over the L-chunk
+    partitions that are not their sequence's first (`cp_model._start_us`)."""
     from flashdelta import cp_model as cp
 
     chunks = [-(-n // 64) for n in seqlens]
-    parts, cont = cp._parts(chunks, L), cp._first_parts(chunks, L)
-    return (cp._start_us(parts, HV, sms), cp._start_us(parts, HV, sms, cont),
-            cp.warmup_pays_bwd(parts=parts, cont=cont, HV=HV, sms=sms))
+    cont = cp._first_parts(chunks, L)
+    return (cp._start_us(cont, HV, sms), cp._start_us(cont, HV, sms, warmup=True),
+            cp.warmup_pays_bwd(cont=cont, HV=HV, sms=sms))
 
 
 def _lstsq(rows, ys):
@@ -445,6 +445,9 @@ def bwd_main(args):
                     q, k, v, g_cumsum, beta, A, hp, do, dS, plan.cu, scale=scale))
                 steps[f"dstate_L{L}"] = (lambda plan=plan: chunk_dstate.chunk_dstate(
                     q, k, g_cumsum, beta, A, do, plan.cu, scale=scale))
+                every = cp.grad_windows(g_cumsum, k, beta, plan, None).take      # the exact path's F pass
+                steps[f"dstate_cont_L{L}"] = (lambda plan=plan, every=every: chunk_dstate.chunk_dstate(
+                    q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=every))
                 steps[f"grad_windows_L{L}"] = (lambda plan=plan: cp.grad_windows(
                     g_cumsum, k, beta, plan, cp.WARMUP_THRESHOLD, kset=sm90.KERNELS))
                 steps[f"grad_windows_torch_L{L}"] = (lambda plan=plan: cp.grad_windows(
@@ -489,8 +492,9 @@ def bwd_main(args):
                 print(f"  L{L}: grad windows kernel {us.get(f'grad_windows_L{L}', float('nan')):.1f} us, torch "
                       f"{us.get(f'grad_windows_torch_L{L}', float('nan')):.1f} (model "
                       f"{cp_model.WARMUP_BWD_US}), fallback share {share:.2f} (model {cp_model.WARMUP_FALLBACK}), "
-                      f"mean window {window:.2f} chunks (model {cp_model.WARMUP_CHUNKS}); F pass exact "
-                      f"{us.get(f'dstate_L{L}', float('nan')):.1f} (model {m_exact:.1f}) warm-up "
+                      f"mean window {window:.2f} chunks (model {cp_model.WARMUP_CHUNKS}); F pass all partitions "
+                      f"{us.get(f'dstate_L{L}', float('nan')):.1f}, exact {us.get(f'dstate_cont_L{L}', float('nan')):.1f} "
+                      f"(model {m_exact:.1f}) warm-up "
                       f"{us.get(f'dstate_warm_L{L}', float('nan')):.1f} (model {m_warm:.1f}, "
                       f"{'runs' if runs else 'not run'} under auto); fwd+bwd exact "
                       f"{us.get(f'fb_exact_L{L}', float('nan')):.1f} warm-up "

@@ -29,8 +29,9 @@ buffers whose sizes depend only on host information (T, N, L), so CUDA graphs ca
 lengths within the captured shapes; nothing here reads device data on the host.
 
 The backward (`cp_chunk_bwd`) runs on the same kind of plan: the start states as above (M, E, scan; exact for
-every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the partitions (the dS chain
-of `chunk_bwd` from a zero end gradient) gives each partition's start gradient F_p (`_start_grads`); the reverse
+every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the partitions that are not their
+sequence's first (the dS chain of `chunk_bwd` from a zero end gradient; the first ones' CTAs exit at once) gives
+their start gradients F_p (`_start_grads`); the reverse
 scan ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
 end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG for the whole sequences and the
 sequences' dh0 (their first partitions'). Its warm-up mirrors the forward's (docs/algorithm.md §4.4,
@@ -576,7 +577,7 @@ def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bo
     sms = num_sms(q.device)
     P = min(plan.P, plan.N * plan.J)            # partitions: at most P slots, at most J per sequence
     if backward:
-        pays = cp_model.warmup_pays_bwd(parts={plan.L: P}, cont={plan.L: P - plan.N}, HV=HV, sms=sms)
+        pays = cp_model.warmup_pays_bwd(cont={plan.L: P - plan.N}, HV=HV, sms=sms)
     else:
         pays = cp_model.warmup_pays(inner=P - plan.N, HV=HV, K=K, V=V, L=plan.L, sms=sms)
     return thr if pays else None
@@ -763,8 +764,10 @@ def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, sca
                  take: Optional[Tensor] = None) -> Tensor:
     """``F [P, HV, K, V]`` (K-first): each partition's start gradient from a zero end gradient, by the
     `chunk_dstate` stage over the partitions (chunk_bwd's dh0 with dht = 0: only the dS chain, neither v nor the
-    states); with `take` (`GradWindows.take`) of each (partition, head)'s first ``take`` chunks only. `chunk_bwd`
-    over the partitions with a zero dht gives the exact F at the cost of a whole backward."""
+    states); with `take` (`GradWindows.take`) each (partition, head) over its first ``take`` chunks only: the
+    warm-up's window, the whole partition on the exact path, none (F = 0) on a sequence's first partition, whose F
+    the reverse scan never reads. `chunk_bwd` over the partitions with a zero dht gives the exact F at the cost of a
+    whole backward."""
     if take is None:
         return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale)
     return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=take)
@@ -786,7 +789,8 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
     `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` as in `cp_chunk_fwd` (`grad_windows`). Steps:
     (M, E) by two chunk_fwd launches (`summaries`) and the scan give every partition's start state; state_recompute
-    over the partitions from them; chunk_dstate gives F (`_start_grads`; with the warm-up over each head's window,
+    over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose F
+the reverse scan never reads; with the warm-up over each head's window,
     `grad_windows`, whose heads' M is then zeroed); the reverse scan (`scan_grads`) gives every partition's end
     gradient; chunk_bwd from those gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its
     serial dS and S) and, on each sequence's first partition, its dh0. No host synchronisation.
@@ -804,9 +808,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
-    win = None
-    if thr is not None or starts is not None:
-        win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
+    win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
     if starts is None:
         M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd,
                          state_dtype=sd)
@@ -814,7 +816,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
         H = scan_states(M, E, plan, h0, scan)
         del E
-        if win is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
+        if thr is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
             M.masked_fill_(~win.fallback[:, :, None, None], 0)
     else:
         if tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
@@ -828,7 +830,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     b = _as_param(beta, bks)
     h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
     Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
-                      take=None if win is None or win.threshold is None else win.take)
+                      take=win.take)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd

@@ -186,27 +186,26 @@ def _fallback_heads(HV: int) -> int:
     return min(HV, max(1, math.ceil(WARMUP_FALLBACK * HV)))
 
 
-def _start_us(parts: dict, HV: int, sms: int, cont: Optional[dict] = None) -> float:
-    """chunk_dstate's microseconds, `START_GRAD_FACTOR` of a chunk_bwd launch over the same CTAs (one per partition
-    and value head): exact over `parts` ({chunks: count}, every partition), or with the warm-up over `cont` (the
-    partitions that are not their sequence's first; the others' CTAs exit at once), expected: `WARMUP_FALLBACK` of
-    the heads walk whole partitions, the rest `WARMUP_CHUNKS` chunks."""
-    if cont is None:
-        return START_GRAD_FACTOR * _bwd_pass_us([(ch, n * HV) for ch, n in parts.items()], sms)
-    hf = _fallback_heads(HV)
-    items = [(ch, n * hf) for ch, n in cont.items()] + [(min(WARMUP_CHUNKS, ch), n * (HV - hf))
-                                                        for ch, n in cont.items()]
+def _start_us(cont: dict, HV: int, sms: int, warmup: bool = False) -> float:
+    """chunk_dstate's microseconds, `START_GRAD_FACTOR` of a chunk_bwd launch over the CTAs (one per partition and
+    value head) of the partitions that are not their sequence's first (`cont`, {chunks: count}; the others' CTAs
+    exit at once): exact (every head walks its whole partition) or with the `warmup` expected (`WARMUP_FALLBACK` of
+    the heads walk whole partitions, the rest `WARMUP_CHUNKS` chunks)."""
+    hf = _fallback_heads(HV) if warmup else HV
+    items = [(ch, n * hf) for ch, n in cont.items()]
+    if warmup:
+        items += [(min(WARMUP_CHUNKS, ch), n * (HV - hf)) for ch, n in cont.items()]
+    items = [(ch, n) for ch, n in items if n > 0]
     if not items:
         return START_GRAD_FACTOR * BWD_LAUNCH_US
     return START_GRAD_FACTOR * _bwd_pass_us(items, sms)
 
 
-def warmup_pays_bwd(*, parts: dict, cont: dict, HV: int, sms: int) -> bool:
+def warmup_pays_bwd(*, cont: dict, HV: int, sms: int) -> bool:
     """Whether the backward's warm-up (chunk_dstate over the windows, its decision `WARMUP_BWD_US`) beats the exact
-    F pass, for partitions `parts` ({chunks: count}, all) of which `cont` are not their sequence's first: where the
-    F pass is one wave anyway and some head falls back (its CTA walks a whole partition) the windows shorten
-    nothing."""
-    return _start_us(parts, HV, sms, cont) + WARMUP_BWD_US < _start_us(parts, HV, sms)
+    F pass, for the partitions `cont` ({chunks: count}) that are not their sequence's first: where the exact F pass
+    is one wave anyway and some head falls back (its CTA walks a whole partition) the windows shorten nothing."""
+    return _start_us(cont, HV, sms, warmup=True) + WARMUP_BWD_US < _start_us(cont, HV, sms)
 
 
 def _summary_us(inner: int, HV: int, K: int, V: int, L: int, sms: int, warmup: bool) -> tuple:
@@ -284,10 +283,10 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
     states = RECOMPUTE_FACTOR * _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
-    exact = _start_us(dict(parts), HV, sms)
     cont = _first_parts(chunks, L)
-    warm = bool(warmup) and warmup_pays_bwd(parts=dict(parts), cont=cont, HV=HV, sms=sms)
-    start = _start_us(dict(parts), HV, sms, cont) if warm else exact
+    exact = _start_us(cont, HV, sms)
+    warm = bool(warmup) and warmup_pays_bwd(cont=cont, HV=HV, sms=sms)
+    start = _start_us(cont, HV, sms, warmup=True) if warm else exact
     fixed = WARMUP_BWD_US if warm else 0.0
     if starts_saved:
         hf = _fallback_heads(HV)

@@ -159,6 +159,12 @@ def test_start_grads_and_reverse_scans_match_the_reference():
     F, M = rcp.grad_summaries(q, k, v, g_cumsum, beta, A, do, parts, scale=0.25)
     Fd = cp._start_grads(portable.chunk_dstate, q, k, g_cumsum, beta, A, do, plan, scale=0.25)
     assert_close("F", Fd[:parts.P], F, tol=1e-12)
+    # the exact path's F pass walks no chunk of a sequence's first partition (the reverse scan never reads its F)
+    take = cp.grad_windows(g_cumsum, k, beta, plan, None).take
+    Fe = cp._start_grads(portable.chunk_dstate, q, k, g_cumsum, beta, A, do, plan, scale=0.25, take=take)[:parts.P]
+    first = plan.first[:parts.P]
+    assert first.any() and (~first).any() and bool((Fe[first] == 0).all())
+    assert_close("F", Fe[~first], F[~first], tol=1e-12)
     Md, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
     for dht in (torch.randn(x["initial_state"].shape, dtype=F64), None):
         want, _ = rcp.scan_grads(F, M, parts, dht)

@@ -203,10 +203,8 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
               seq_len=None if varlen else T, force=force)
     warm = warmup_threshold(parse_warmup(None), dtype) is not None
     fwd = choose(**kw, warmup=warm)
-    # Where the forward stays unsplit it saves the backward's partition start states, which makes a split backward
-    # cheaper; the choice still takes the model without them (`starts_saved=False`) until the backward constants
-    # are refitted: docs/dev/cp.md, "Saved partition starts".
-    bwd = choose_bwd(**kw, warmup=warm) if force or supported_bwd(kset, K, V, dtype) else 0
+    # where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan)
+    bwd = choose_bwd(**kw, warmup=warm, starts_saved=fwd == 0) if force or supported_bwd(kset, K, V, dtype) else 0
     return encode(fwd, bwd)
 
 

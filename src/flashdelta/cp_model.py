@@ -8,6 +8,7 @@ name here; set a constant on this module (as fit_cp.py does) to change what the 
 """
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from typing import Optional
@@ -55,7 +56,7 @@ WARMUP_CHUNKS = 4
 WARMUP_US = 33.4
 # the backward's windows (`cp.grad_windows`: ~28 small kernels, the validity masks of a ragged last partition
 # included) and the zeroing of the warm-up heads' M, at ~1.4 us a small kernel in a CUDA graph (a prediction;
-# fit_cp.py --bwd times them)
+# fit_cp.py --bwd times them: 40.05 on the H200)
 WARMUP_BWD_US = 40.0
 # split only where `cp_worst` is at most this x the serial time: where no gate decays at all (no model's gates) a
 # split may lose up to 5%, so that rows where only the warm-up makes CP pay (4/16 1x32768) are split
@@ -68,13 +69,14 @@ CANDIDATE_L = (8, 16, 32, 64, 128, 256)      # partition lengths (chunks) the mo
 # ---- backward (`predict_bwd`). chunk_bwd runs one CTA per (sequence or partition, value head) with all of V and
 # ~220 KB of shared memory (one CTA per SM), latency-bound: the same time per chunk at any occupancy
 # (docs/dev/chunk_bwd.md). state_recompute is the fused forward with its state output on. The values are
-# bench/dev/fit_cp.py --bwd's fit on the H200 (16/32 and 2/8 at 1x8192, partition lengths 4-64).
-BWD_CHUNK_US = 18.3             # chunk_bwd per chunk and CTA, any occupancy
-BWD_ITEM_US = 7.9               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store
-BWD_LAUNCH_US = 8.3             # chunk_bwd per launch, fixed
+# bench/dev/fit_cp.py --bwd's fit on the H200 (16/32, the backward grid's 8k and 32k rows, partition lengths 12-128:
+# bench/results/h200/2026-12-03_03173fe_fit_cp_bwd.txt).
+BWD_CHUNK_US = 10.7             # chunk_bwd per chunk and CTA, any occupancy
+BWD_ITEM_US = 3.8               # chunk_bwd per CTA: dht load, pipeline fill, dh0 store
+BWD_LAUNCH_US = 32.3            # chunk_bwd per launch, fixed
 BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
-RECOMPUTE_FACTOR = 1.36         # state_recompute's time over the forward pass model's
-START_GRAD_FACTOR = 0.26        # chunk_dstate (F) over chunk_bwd: 6 of its 19 GEMMs, no states
+RECOMPUTE_FACTOR = 1.14         # state_recompute's time over the forward pass model's
+START_GRAD_FACTOR = 0.44        # chunk_dstate (F) over chunk_bwd per CTA: 6 of its 19 GEMMs, no states
 BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
 MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
 # the backward's time per chunk is ~15x the forward's, so it pays to cut finer and to fill the SMs' one wave
@@ -84,16 +86,34 @@ CANDIDATE_L_BWD = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # ------------------------------------------------------------------------------------------------ cost model
 
 def _launch_us(items: list, slots: int, idle: float, full: float, item: float, launch: float) -> float:
-    """One launch over `items` = [(chunks, count)] CTAs on `slots` resident CTAs: ``ceil(work / (slots x
-    longest)) x longest`` (exact for equal items, at most one longest item pessimistic otherwise), the per-chunk
-    time interpolated between `idle` (few CTAs) and `full` (every slot busy)."""
+    """One launch over `items` = [(chunks, count)] CTAs on `slots` resident CTAs, longest first (the kernels order
+    their work items by length, `kernels._tl.seq_order`): the makespan of list scheduling (each CTA starts on the
+    first slot to free up), the per-chunk time interpolated between `idle` (few CTAs) and `full` (every slot busy)."""
     n = sum(c for _, c in items)
     if n == 0:
         return launch
     c = idle + (full - idle) * min(1.0, n / slots)
-    longest = max(ch for ch, cnt in items if cnt) * c + item
-    work = sum(cnt * (ch * c + item) for ch, cnt in items)
-    return launch + math.ceil(work / (slots * longest) - 1e-9) * longest
+    return launch + _makespan([(ch * c + item, cnt) for ch, cnt in items if cnt], slots)
+
+
+def _makespan(jobs: list, slots: int) -> float:
+    """Longest-first list scheduling of `jobs` = [(duration, count)] on `slots` machines: the last finish time.
+    Where a group's duration is at least the spread of the slots' finish times, each round of `slots` jobs gives
+    every slot one, so whole rounds are added at once; the rest goes job by job."""
+    t = [0.0] * min(slots, sum(cnt for _, cnt in jobs))          # a min-heap of the slots' finish times
+    hi = 0.0
+    for d, cnt in sorted(jobs, reverse=True):
+        while cnt:
+            if hi - t[0] <= d and cnt >= len(t):
+                rounds = cnt // len(t)
+                t = [x + rounds * d for x in t]
+                hi += rounds * d
+                cnt -= rounds * len(t)
+                continue
+            lo = heapq.heapreplace(t, t[0] + d) + d
+            hi = max(hi, lo)
+            cnt -= 1
+    return hi
 
 
 def _pass_us(items: list, sms: int) -> float:

@@ -29,10 +29,10 @@ buffers whose sizes depend only on host information (T, N, L), so CUDA graphs ca
 lengths within the captured shapes; nothing here reads device data on the host.
 
 The backward (`cp_chunk_bwd`) runs on the same kind of plan: the start states as above (M, E, scan; exact for
-every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the partitions that are not their
-sequence's first (the dS chain of `chunk_bwd` from a zero end gradient; the first ones' CTAs exit at once) gives
-their start gradients F_p (`_start_grads`); the reverse
-scan ``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
+every head), then `state_recompute` over the partitions from them; `chunk_dstate` over the partitions that are
+not their sequence's first (the dS chain of `chunk_bwd` from a zero end gradient; the first ones' CTAs exit at
+once) gives their start gradients F_p (`_start_grads`); the reverse scan
+``dS_end[p] = M_{p+1}^T dS_end[p+1] + F_{p+1}`` from each sequence's dht (`scan_grads`) gives every partition's
 end gradient; a second `chunk_bwd` from those gives dq, dk, dv, dbeta, dG for the whole sequences and the
 sequences' dh0 (their first partitions'). Its warm-up mirrors the forward's (docs/algorithm.md §4.4,
 `grad_windows`): per partition that is not its sequence's first and value head, the shortest prefix of its chunks
@@ -787,11 +787,11 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
     `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` as in `cp_chunk_fwd` (`grad_windows`). Steps:
     (M, E) by two chunk_fwd launches (`summaries`) and the scan give every partition's start state; state_recompute
-    over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose F
-the reverse scan never reads; with the warm-up over each head's window,
-    `grad_windows`, whose heads' M is then zeroed); the reverse scan (`scan_grads`) gives every partition's end
-    gradient; chunk_bwd from those gives the gradients (partitions are chunk-aligned, so each chunk sees exactly its
-    serial dS and S) and, on each sequence's first partition, its dh0. No host synchronisation.
+    over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose
+    F the reverse scan never reads; with the warm-up over each head's window, `grad_windows`, whose heads' M is then
+    zeroed); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those gives the
+    gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each sequence's
+    first partition, its dh0. No host synchronisation.
 
     `starts` (``[P, HV, K, V]``, the start state of every partition of `plan`, K-first: the training forward's
     `chunk_fwd(partition_starts=...)` output where the forward ran unsplit) replaces the E pass and the forward scan;

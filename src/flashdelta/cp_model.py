@@ -8,7 +8,8 @@ name here; set a constant on this module (as fit_cp.py does) to change what the 
 """
 from __future__ import annotations
 
-import heapq
+import bisect
+import functools
 import math
 import os
 from typing import Optional
@@ -93,27 +94,29 @@ def _launch_us(items: list, slots: int, idle: float, full: float, item: float, l
     if n == 0:
         return launch
     c = idle + (full - idle) * min(1.0, n / slots)
-    return launch + _makespan([(ch * c + item, cnt) for ch, cnt in items if cnt], slots)
+    return launch + _makespan(tuple(sorted(((ch * c + item, cnt) for ch, cnt in items if cnt), reverse=True)), slots)
 
 
-def _makespan(jobs: list, slots: int) -> float:
-    """Longest-first list scheduling of `jobs` = [(duration, count)] on `slots` machines: the last finish time.
-    Where a group's duration is at least the spread of the slots' finish times, each round of `slots` jobs gives
-    every slot one, so whole rounds are added at once; the rest goes job by job."""
-    t = [0.0] * min(slots, sum(cnt for _, cnt in jobs))          # a min-heap of the slots' finish times
-    hi = 0.0
+@functools.lru_cache(maxsize=4096)
+def _makespan(jobs: tuple, slots: int) -> float:
+    """Longest-first list scheduling of `jobs` = ((duration, count), ...) on `slots` machines (each job starts on
+    the first to free up): the last finish time. The slots' finish times are kept sorted; the j slots that free up
+    before the first one could finish a job of this group each take one next, so a group goes in batches of j (whole
+    rounds at once where j is every slot), not job by job. Cached: the candidates of one decision share their
+    serial passes, and the layers of a model step share their lengths."""
+    t = [0.0] * min(slots, sum(cnt for _, cnt in jobs))
     for d, cnt in sorted(jobs, reverse=True):
         while cnt:
-            if hi - t[0] <= d and cnt >= len(t):
-                rounds = cnt // len(t)
+            j = bisect.bisect_left(t, t[0] + d)
+            if j == len(t) and cnt >= j:
+                rounds = cnt // j
                 t = [x + rounds * d for x in t]
-                hi += rounds * d
-                cnt -= rounds * len(t)
+                cnt -= rounds * j
                 continue
-            lo = heapq.heapreplace(t, t[0] + d) + d
-            hi = max(hi, lo)
-            cnt -= 1
-    return hi
+            k = min(j, cnt)
+            t = sorted(t[k:] + [x + d for x in t[:k]])        # two sorted runs: a linear merge
+            cnt -= k
+    return t[-1] if t else 0.0
 
 
 def _pass_us(items: list, sms: int) -> float:

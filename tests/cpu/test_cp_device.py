@@ -339,13 +339,13 @@ def test_makespan_is_longest_first_list_scheduling():
             heapq.heapreplace(t, t[0] + d)
         return max(t)
 
-    assert cp.cp_model._makespan([(128, 64), (105, 32), (101, 32), (44, 32), (9, 32)], 132) == 145
-    assert cp.cp_model._makespan([(10, 1000)], 132) == 80 and cp.cp_model._makespan([(5, 3)], 132) == 5
+    assert cp.cp_model._makespan(((128, 64), (105, 32), (101, 32), (44, 32), (9, 32)), 132) == 145
+    assert cp.cp_model._makespan(((10, 1000),), 132) == 80 and cp.cp_model._makespan(((5, 3),), 132) == 5
     rng = random.Random(0)
     for _ in range(200):
         jobs = [(rng.randint(1, 60), rng.randint(1, 90)) for _ in range(rng.randint(1, 5))]
         slots = rng.randint(1, 40)
-        assert cp.cp_model._makespan(jobs, slots) == plain(jobs, slots), (jobs, slots)
+        assert cp.cp_model._makespan(tuple(jobs), slots) == plain(jobs, slots), (jobs, slots)
 
 
 def test_decide_on_the_cost_model(monkeypatch):

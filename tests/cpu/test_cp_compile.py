@@ -57,7 +57,10 @@ def test_take_build_compiles_within_budget(name, compiled, tmp_path):
     assert hang_checks(src, kernel.get_host_source()) == []
     sig = src[src.index("chunk_dstate_kernel_kernel("):].split(")", 1)[0]
     assert "const int* __restrict__ take" in sig
-    assert re.search(r"int NT = min\(max\(take\[", src), "the walk's chunk count comes from take"
+    assert re.search(r"= take\[\(\(\(\(int64_t\)i_n\) \* \(int64_t\)\d+\) \+ \(\(int64_t\)i_hv\)\)\];", src), \
+        "the walk's chunk count comes from take"
+    assert "const int* __restrict__ order" in sig and "order[((int64_t)((int)blockIdx.x))]" in src, \
+        "the CTA's (sequence, head) item from the item order (`_tl.item_order`)"
     report = ptxas_report(src, tmp_path, name)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]

@@ -21,8 +21,9 @@ puts the two ~1e-3 apart (relative L2) after a few dozen chunks (docs/dev/chunk_
 
 Context parallelism's backward warm-up (docs/algorithm.md §4.4) launches builds with `chunk_take`: each (sequence,
 value head) walks only its first ``take[n, hv]`` chunks, from a zero gradient at the end of chunk take - 1 (the start
-gradient of a prefix window); the chunk count moves, nothing else changes, and the builds without the flag are the
-same code as before it existed.
+gradient of a prefix window); the chunk count moves and the CTAs take their (sequence, head) items longest walk
+first (`_tl.item_order`), nothing else changes, and the builds without the flag are the same code as before it
+existed.
 
 One CTA (two warpgroups) per (sequence, value head), all of V in the CTA, ``dS^T [V, K]`` fp32 in registers.
 q, k, dO and A arrive by TMA into a two-slot ring, the next chunk's tiles issued when the current chunk starts;
@@ -45,7 +46,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. chunk_take: a
     ``take [N, HV]`` int32 input; the CTA of (sequence n, value head hv) walks chunks ``take[n, hv] - 1`` down to 0
     (take clamped to [0, NT_n]) from a zero gradient, so dh0 is the start gradient of the sequence's first ``take``
-    chunks (0 where take <= 0). Without it the kernel is unchanged."""
+    chunks (0 where take <= 0), and the CTAs take their (sequence, head) items in the ``order [N HV]`` of
+    `_tl.item_order` (the largest take first: a few fallback heads walk whole partitions, most a short window).
+    Without it the kernel is unchanged."""
     G = HV // H
     acc = "float32"
     assert HV % H == 0 and (K, V) in HEAD_DIMS
@@ -53,6 +56,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     N_ = T.dynamic("N")
     # without chunk_take `take` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     take_t = T.Tensor((N_, HV), "int32") if chunk_take else None
+    order_t = T.Tensor((N_ * HV,), "int32") if chunk_take else None     # `_tl.item_order`: the longest walk first
 
     def walk_chunks(bos, eos, take, i_n, i_hv):
         # the chunks walked: with chunk_take, the first take[n, hv] (clamped, so that a take past the end walks the
@@ -83,10 +87,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         dh0: T.Tensor((N_, HV, K, V), acc),
         take: take_t,
+        order: order_t,
     ):
         with T.Kernel(N_ * HV, threads=THREADS) as bx:
-            i_n = bx // HV
-            i_hv = bx % HV
+            if chunk_take:
+                i_n = order[bx] // HV
+                i_hv = order[bx] % HV
+            else:
+                i_n = bx // HV
+                i_hv = bx % HV
             i_h = i_hv // G
             tx = T.get_thread_binding()
 
@@ -239,5 +248,5 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=6
     if chunk_take is None:
         build(*args)(*tensors)
     else:
-        build(*args, True)(*tensors, chunk_take)
+        build(*args, True)(*tensors, chunk_take, _tl.item_order(chunk_take, 1, descending=True, tail=False))
     return out

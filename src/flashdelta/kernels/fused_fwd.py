@@ -30,7 +30,9 @@ shared-memory round trip. Warp roles (384 threads):
 
 Context parallelism's internal passes (`flashdelta.cp`) launch builds with `chunk_skip`: each (sequence, value
 head) starts its walk at a chunk given per CTA pair on the device (the warm-up windows, docs/algorithm.md §4.4); the
-start token moves, nothing else changes, and the builds without the flag are the same code as before it existed.
+start token moves and the CTAs take their (sequence, head) items longest walk first (`_tl.item_order`: a few heads
+walk whole partitions, most a few chunks), nothing else changes, and the builds without the flag are the same code
+as before it existed.
 
 Ragged chunks take the same path: TMA loads all 64 rows, the prep warpgroup zeroes q/k/v/A rows past the end
 (beta is 0 there), so nothing from the next sequence or the padding tail (even NaN) reaches a result. Every
@@ -97,7 +99,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     chunk_skip: a ``skip [N, HV]`` int32 input; the CTAs of (sequence n, value head hv) start their walk at chunk
     ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state after
     the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
-    written (context parallelism's warm-up windows, docs/algorithm.md §4.4). zero_v: the values are zero (context
+    written (context parallelism's warm-up windows, docs/algorithm.md §4.4); ``seq_order`` is then the
+    ``[(N + 1) HV]`` item order of `_tl.item_order` (smallest skip first). zero_v: the values are zero (context
     parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
     once. states_only: only the final state (context parallelism's M and E passes, whose o is discarded): no o is
     computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs, no q loads and no q,
@@ -124,6 +127,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
+    # with chunk_skip the CTAs take (sequence, value head) items in `_tl.item_order` (the longest walk first),
+    # else sequences in `_tl.seq_order`
+    order_t = T.Tensor(((N_ + 1) * HV,), "int32") if chunk_skip else T.Tensor((N_ + 1,), "int32")
     v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
     o_t = T.Tensor((1, 1, 1, V), dtype) if states_only else T.Tensor((1, T_, HV, V), dtype)
     assert not (save_starts and (save_states or chunk_skip or zero_v or states_only)), "save_starts: chunk_fwd only"
@@ -329,7 +335,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         A: T.Tensor((1, T_, HV, BT), dtype),
         h0: T.Tensor(state_shape, h0_dtype),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
-        seq_order: T.Tensor((N_ + 1,), "int32"),
+        seq_order: order_t,
         o: o_t,
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
@@ -340,8 +346,13 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
-            i_n = seq_order[bx // (HV * NV)]             # longest sequence first (`_tl.seq_order`)
-            i_hv = (bx // NV) % HV
+            if chunk_skip:
+                item = seq_order[bx // NV]               # longest walk first (`_tl.item_order`)
+                i_n = item // HV
+                i_hv = item % HV
+            else:
+                i_n = seq_order[bx // (HV * NV)]         # longest sequence first (`_tl.seq_order`)
+                i_hv = (bx // NV) % HV
             i_v = bx % NV
             i_h = i_hv // G
             v0 = i_v * BV
@@ -673,8 +684,12 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     assert not (zero_values and save_states), "zero_values: chunk_fwd only"
     vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
     ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
+    if chunk_skip is None:
+        order = _tl.seq_order(cu_seqlens, HV * (V // BV))
+    else:
+        order = _tl.item_order(chunk_skip, V // BV, descending=False, tail=True)
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
-               h0.contiguous(), cu_seqlens, _tl.seq_order(cu_seqlens, HV * (V // BV)), ot, ht)
+               h0.contiguous(), cu_seqlens, order, ot, ht)
     extra = (hs,) if hs is not None else ()
     if chunk_skip is not None:
         extra += (chunk_skip,)

@@ -186,6 +186,11 @@ BWD_CASES = [
     BwdCase("zero-gate", (129, 64), H=2, HV=8, gate="zero", beta_dtype=torch.bfloat16),
     BwdCase("k64-v64", (100, 64, 3), H=2, HV=4, K=64, V=64, pad=9, beta_dtype=torch.bfloat16),
     BwdCase("empty-only-pad10", (0,), H=2, HV=8, pad=10, beta_dtype=torch.bfloat16),
+    # two value heads per key head: chunk_bwd adds them into dq and dk itself (TMA reduce-add; red.global.add on the
+    # ragged chunks), bf16 and fp16
+    BwdCase("gva2-ragged", (300, 1, 129, 64), H=2, HV=4, pad=7, beta_dtype=torch.bfloat16),
+    BwdCase("gva2-fp16-nodht", (200, 65), H=2, HV=4, pad=3, dtype=torch.float16, beta_dtype=torch.float16,
+            dht=False),
 ]
 BWD_DET = BWD_CASES[4]
 # chunk_dstate (K-first output): the stage cases in the K-first layout
@@ -204,7 +209,7 @@ BWD_E2E = [
     Case("gva3", (700, 1, 2000), H=2, HV=6, K=128, V=128, pad=5),
     Case("gva4-noh0-vfirst", (300, 1000), H=2, HV=8, K=128, V=128, h0=False, state_v_first=True),
     Case("zero-gate", (300, 129), H=2, HV=8, K=128, V=128, gate="zero"),
-    Case("k64", (500, 3), H=2, HV=4, K=64, V=64),
+    Case("k64", (500, 3), H=2, HV=4, K=64, V=64),      # two value heads per key head: chunk_bwd sums the group
 ]
 # (case, dtype, use_qk_l2norm_in_kernel)
 BWD_E2E_PAIRS = [(c, torch.bfloat16, False) for c in BWD_E2E] + [(BWD_E2E[2], torch.bfloat16, True)]

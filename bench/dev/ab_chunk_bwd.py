@@ -1,5 +1,6 @@
-"""A/B of chunk_bwd variants on the benchmark's inputs: each variant's outputs against the shipped kernel's (relative
-L2 difference per gradient) and CUDA-graph medians, the variants interleaved in one process. A variant is a copy of
+"""A/B of chunk_bwd variants on the benchmark's inputs: each variant's outputs (dq and dk summed per key head by
+group_sum, as the backward hands them on) against the shipped kernel's (relative L2 difference per gradient) and
+CUDA-graph medians of chunk_bwd and those group sums, the variants interleaved in one process. A variant is a copy of
 kernels/chunk_bwd.py (anywhere on disk, not committed), imported as a module of flashdelta.kernels:
 
     git show main:src/flashdelta/kernels/chunk_bwd.py > /tmp/chunk_bwd_main.py
@@ -82,7 +83,7 @@ def main():
         precompile(args.rows, mods, lambda m, h, hv: m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32,
                                                                        128 ** -0.5, dht=(True,)))
         return
-    from flashdelta.kernels import fused_fwd, prepare
+    from flashdelta.kernels import fused_fwd, group_sum, prepare
 
     stream = torch.cuda.Stream()
     names = list(mods)
@@ -98,7 +99,12 @@ def main():
         do, dht = inp.do, inp.dht
 
         def call(m):
-            return lambda: m.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
+            # dq and dk per key head, as the backward hands them on: group_sum after a variant that returns them per
+            # value head (a no-op after one that sums the group itself)
+            def run():
+                dq, dk, *rest = m.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
+                return (group_sum.group_sum(dq, q.shape[2]), group_sum.group_sum(dk, q.shape[2]), *rest)
+            return run
 
         outs, ms = outputs_and_times(mods, call, stream)
         diffs = {}

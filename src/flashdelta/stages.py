@@ -24,7 +24,9 @@ sequence starts):
 - o in v's dtype; final state and dh0 fp32 in the layout of ``state_v_first``.
 - dq, dk: per value head (``[1, T, HV, K]``), in q's dtype from a native backend, in the compute dtype (fp32)
   from the portable one; group_sum sums them per key head in fp32 (or wider), with the l2norm backward when given
-  its output and rstd, and returns the result in the dtype asked for (the caller's q dtype). dv in v's dtype or
+  its output and rstd, and returns the result in the dtype asked for (the caller's q dtype). A backend may return
+  them summed per key head already (``[1, T, H, K]``: the SM90 chunk_bwd at HV = 2 H); group_sum then has one value
+  head per key head. dv in v's dtype or
   fp32; dbeta and dG fp32 (float64 for float64 inputs).
 - h (the state entering each chunk) is private to a backend: `COUPLED` stages come from the same backend.
 """

@@ -134,7 +134,9 @@ STORE_DVT = {"bfloat16": "fd_store_dvt<false>", "float16": "fd_store_dvt<true>"}
 
 # chunk_bwd: rows [0, rows) of one warpgroup's [64, N] fp32 wgmma accumulator (register 4 n + 2 h + e holds row
 # 16 warp + 8 h + lane / 4, column 8 n + 2 (lane % 4) + e) to dst[row * pitch + column], each pair of columns as one
-# store: float2 (`fd_store_acc<N, 0>`), or rounded to bf16x2 (`<N, 1>`) or f16x2 (`<N, 2>`) with cvt.rn (dst: the
+# store: float2 (`fd_store_acc<N, 0>`), or rounded to bf16x2 (`<N, 1>`) or f16x2 (`<N, 2>`) with cvt.rn, or so
+# rounded and added into dst (`<N, 3>` bf16x2, `<N, 4>` f16x2: red.global.add.noftz, round to nearest; the GVA
+# group sum of two value heads into a zeroed dq or dk, exact in either order: 0 + a + b = round(a + b)) (dst: the
 # chunk's first row; a warpgroup of a multi-warpgroup product passes its own first column); one 64-bit base,
 # 32-bit offsets.
 STORE_ACC_PRELUDE = r"""
@@ -153,12 +155,19 @@ __device__ __forceinline__ void fd_store_acc(const float* x, void* dst, int pitc
           *reinterpret_cast<float2*>(static_cast<float*>(dst) + o) = make_float2(a, b);
         } else {
           unsigned p;
-          if constexpr (kOut == 1) {
+          if constexpr (kOut == 1 || kOut == 3) {
             asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
           } else {
             asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
           }
-          *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(dst) + o) = p;
+          unsigned* const d = reinterpret_cast<unsigned*>(static_cast<unsigned short*>(dst) + o);
+          if constexpr (kOut == 3) {
+            asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" :: "l"(d), "r"(p) : "memory");
+          } else if constexpr (kOut == 4) {
+            asm volatile("red.global.add.noftz.f16x2 [%0], %1;" :: "l"(d), "r"(p) : "memory");
+          } else {
+            *d = p;
+          }
         }
       }
     }
@@ -166,6 +175,7 @@ __device__ __forceinline__ void fd_store_acc(const float* x, void* dst, int pitc
 }
 """
 STORE_ACC = {"float32": 0, "bfloat16": 1, "float16": 2}     # fd_store_acc's kOut per destination dtype
+STORE_ACC_ADD = {"bfloat16": 3, "float16": 4}               # kOut that adds into the destination (red.global.add)
 
 # fused_fwd: the store warp's o rows [0, rows) of the staging buffer (128-byte rows, `src_pitch` bytes apart)
 # to global rows `dst_pitch` bytes apart: 8 lanes per row, 4 rows per step, one 16-byte load and store per lane and

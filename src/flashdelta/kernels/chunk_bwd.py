@@ -60,7 +60,10 @@ tile (free from dk's Vd dS1^T product to the next chunk's dS1^T) and written by 
 waits for before that tile is written again: per-thread stores had held the state warpgroups ~20% of their time (their
 stalls queued the reloads of spilled addresses behind them). A ragged chunk's dq and dk (rows past it belong to the next
 sequence), and dv, go by plain stores through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`,
-`_ptx.STORE_DVT_PRELUDE`).
+`_ptx.STORE_DVT_PRELUDE`). At two value heads per key head (`group_add`) the GVA sum happens here instead: dq and dk
+are ``[1, T, H, K]``, zeroed by the launcher, and each value head's rounded tile is added into its key head's rows by
+a TMA reduce-add (red.global.add on a ragged chunk), which is exact in either order (0 + a + b = round(a + b), the
+group_sum's result bit for bit), so no pass reads the per-value-head gradients back.
 bench/dev/chunk_bwd_protocol.py models the synchronisation (barrier counts, parities, every tile's reads against
 its writes).
 
@@ -141,12 +144,16 @@ def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
-          state_v_first: bool):
-    """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic."""
+          state_v_first: bool, group_add: bool = False):
+    """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic.
+    group_add (G = 2): dq and dk are ``[1, T, H, K]``, zeroed by the caller, and each value head adds its rounded
+    tile into its key head's rows (TMA reduce-add, red.global.add on a ragged chunk): the group sum, exact in either
+    order (0 + a + b = round(a + b)), so no group_sum pass reads them back. Without it the kernel is unchanged."""
     # problem config
     G = HV // H
     acc = "float32"
-    assert HV % H == 0 and (K, V) in HEAD_DIMS
+    assert HV % H == 0 and (K, V) in HEAD_DIMS and (not group_add or G == 2)
+    HQ = H if group_add else HV    # heads of dq and dk
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
     S_ = T.dynamic("S")
@@ -184,7 +191,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         T.call_extern("handle", f"fd_rowsum64_part<{KC}>", x_f.data, T.address_of(rs_s[q, wg, 0]), tx)
 
     @T.macro
-    def store_tile(x_f, dst, ds_s, r0, t0, ln, i_hv, wg, tx):
+    def store_tile(x_f, dst, ds_s, r0, t0, ln, i_hq, wg, tx):
         # the state warpgroups' [BT, K] fp32 accumulator (dq or dk) to dst rows [t0, t0 + ln) in q's dtype: a full
         # chunk through rows [r0, r0 + BT) of ds_s (free until the next chunk's dS1^T) and TMA stores issued by
         # thread 0, which waits for them before ds_s is written again; a ragged chunk (rows past it belong to the
@@ -195,10 +202,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             T.sync_threads(1, ST)
             for w in range(NSW):
                 # one TMA store per 64 columns: a [BT, K] region of ds_s is not one 128-byte-swizzled box
-                T.tma_copy(ds_s[r0:r0 + BT, w * KC:(w + 1) * KC], dst[0, t0:t0 + BT, i_hv, w * KC:(w + 1) * KC])
+                if group_add:
+                    T.atomic_add(dst[0, t0:t0 + BT, i_hq, w * KC:(w + 1) * KC], ds_s[r0:r0 + BT, w * KC:(w + 1) * KC],
+                                 use_tma=True)
+                else:
+                    T.tma_copy(ds_s[r0:r0 + BT, w * KC:(w + 1) * KC], dst[0, t0:t0 + BT, i_hq, w * KC:(w + 1) * KC])
         else:
-            T.call_extern("handle", f"fd_store_acc<{KC}, {_ptx.STORE_ACC[dtype]}>", x_f.data,
-                          T.address_of(dst[0, T.cast(t0, "int64"), i_hv, wg * KC]), HV * K, ln, tx)
+            kout = _ptx.STORE_ACC_ADD[dtype] if group_add else _ptx.STORE_ACC[dtype]
+            T.call_extern("handle", f"fd_store_acc<{KC}, {kout}>", x_f.data,
+                          T.address_of(dst[0, T.cast(t0, "int64"), i_hq, wg * KC]), HQ * K, ln, tx)
 
     @T.macro
     def store_gates(gs, ta, gl, g_s, b_s):
@@ -235,8 +247,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         seq_order: T.Tensor((N_ + 1,), "int32"),
-        dq: T.Tensor((1, T_, HV, K), dtype),
-        dk: T.Tensor((1, T_, HV, K), dtype),
+        dq: T.Tensor((1, T_, HQ, K), dtype),
+        dk: T.Tensor((1, T_, HQ, K), dtype),
         dv: T.Tensor((1, T_, HV, V), dtype),
         dbeta: T.Tensor((1, T_, HV), acc),
         dg: T.Tensor((1, T_, HV), acc),
@@ -246,6 +258,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             i_n = seq_order[bx // HV]                    # longest sequence first (`_tl.seq_order`)
             i_hv = bx % HV
             i_h = i_hv // G
+            i_q = i_h if group_add else i_hv             # the head of dq and dk this CTA writes
             tx = T.get_thread_binding()
             mark = timeline.marker(TABLE, bx, tx)
 
@@ -296,9 +309,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                     row = tb + it * THREADS + tx
                     if row < T_:
                         r64 = T.cast(row, "int64")
-                        for j in T.serial(K):
-                            dq[0, r64, i_hv, j] = T.cast(0, dtype)
-                            dk[0, r64, i_hv, j] = T.cast(0, dtype)
+                        if not group_add:          # (group_add: the caller zeroed dq and dk)
+                            for j in T.serial(K):
+                                dq[0, r64, i_hv, j] = T.cast(0, dtype)
+                                dk[0, r64, i_hv, j] = T.cast(0, dtype)
                         for j in T.serial(V):
                             dv[0, r64, i_hv, j] = T.cast(0, dtype)
                         dbeta[0, r64, i_hv] = 0.0
@@ -425,7 +439,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                         T.wgmma_gemm(dp_s, kv_s[kb, :, :], dq_f, policy=FULL_COL)                   # dq += dP K
                         T.wgmma_gemm(kv_s[1 - kb, :, :], ds_s, dk_f, clear_accum=True, policy=FULL_COL)  # Vd dS1^T
                         T.wait_wgmma(0)                                    # dq and Vd dS1^T: ds_s is free
-                        store_tile(dq_f, dq, ds_s, 0, t0, ln, i_hv, wg, tx)
+                        store_tile(dq_f, dq, ds_s, 0, t0, ln, i_q, wg, tx)
                         asum[0] = 0.0
                         for i, j in T.Parallel(BT, K):
                             dk_f[i, j] = dk_f[i, j] * T.exp2((g_s[gs, BT - 1] - g_s[gs, i]) * LOG2E)
@@ -469,7 +483,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                             if tx == 0:
                                 T.tma_store_wait(0)
                             T.sync_threads(1, ST)
-                        store_tile(dk_f, dk, ds_s, V - BT, t0, ln, i_hv, wg, tx)
+                        store_tile(dk_f, dk, ds_s, V - BT, t0, ln, i_q, wg, tx)
                         mark(cc, "s.end")
                     if tx == 0:
                         T.tma_store_wait(0)            # the last stores have read ds_s before the CTA exits
@@ -686,11 +700,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     return chunk_bwd_kernel
 
 
+def group_add(H: int, HV: int) -> bool:
+    """Whether `chunk_bwd` sums dq and dk over each key head's value heads itself (the `group_add` build): at two value
+    heads per key head, where the sum of two rounded tiles into a zeroed one is exact in either order; at three or more
+    the order of the additions would change the rounding, so `group_sum` sums them in a fixed order."""
+    return HV == 2 * H
+
+
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
                  has_dht: bool, state_v_first: bool) -> tuple:
     """The `build` arguments (its compile-cache key) for one call."""
-    return (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale), bool(has_dht),
+    args = (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale), bool(has_dht),
             bool(state_v_first))
+    return args + (True,) if group_add(H, HV) else args
 
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
@@ -714,9 +736,10 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
     Returns:
-        ``dq, dk [1, T, HV, K]`` in q's dtype (per value head), ``dv [1, T, HV, V]`` in v's dtype,
-        ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in the state layout; 0 on the padding tail. One launch of
-        (N + 1) * HV CTAs; no host synchronisation.
+        ``dq, dk [1, T, HV, K]`` in q's dtype (per value head; ``[1, T, H, K]``, summed over each key head's two value
+        heads, where `group_add`), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in
+        the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs (after a zero fill of dq and dk
+        where `group_add`); no host synchronisation.
     """
     _, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -726,8 +749,12 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     assert g_cumsum.dtype == torch.float32 and h.dtype == q.dtype and h.shape[1:] == (HV, V, K)
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    dq = _tl.alloc((1, T_, HV, K), q.dtype, dev)
-    dk = _tl.alloc((1, T_, HV, K), q.dtype, dev)
+    if group_add(H, HV):       # the kernel adds both value heads' tiles into a zeroed tile
+        dq = torch.zeros((1, T_, H, K), dtype=q.dtype, device=dev)
+        dk = torch.zeros((1, T_, H, K), dtype=q.dtype, device=dev)
+    else:
+        dq = _tl.alloc((1, T_, HV, K), q.dtype, dev)
+        dk = _tl.alloc((1, T_, HV, K), q.dtype, dev)
     dv = _tl.alloc((1, T_, HV, V), v.dtype, dev)
     dbeta = _tl.alloc((1, T_, HV), torch.float32, dev)
     dG = _tl.alloc((1, T_, HV), torch.float32, dev)

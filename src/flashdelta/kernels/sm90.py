@@ -91,9 +91,12 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
             # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
             out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
             out += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
-        # dq and dk from chunk_bwd in q's dtype, from the portable chunk_bwd in fp32
-        dx_dtype = dtype if (K, V) in chunk_bwd.HEAD_DIMS else torch.float32
-        out += group_sum.launcher_builds(H, HV, K, dtype, qk_l2norm, dx_dtype)
+        # dq and dk from chunk_bwd in q's dtype (summed per key head where it adds the group itself), from the
+        # portable chunk_bwd in fp32
+        native = (K, V) in chunk_bwd.HEAD_DIMS
+        dx_dtype = dtype if native else torch.float32
+        out += group_sum.launcher_builds(H, H if native and chunk_bwd.group_add(H, HV) else HV, K, dtype, qk_l2norm,
+                                         dx_dtype)
     return out + [b for HV in dict.fromkeys(HV for _, HV in heads) for b in prepare_bwd.launcher_builds(HV)]
 
 

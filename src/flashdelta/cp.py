@@ -849,11 +849,12 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
-    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan) and the forward warm-up's windows
+    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan), the forward warm-up's windows
     kernel (`kernels.cp_windows`, with and without keys_normalized; with `backward`, also the backward's) where it
-    takes the heads and dtypes."""
+    takes the heads and dtypes, and the work order of the `chunk_skip` passes (`kernels.item_order`, ascending)
+    and of chunk_dstate's `chunk_take` (descending)."""
     from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
-                          cp_windows, fused_fwd)
+                          cp_windows, fused_fwd, item_order)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
     todo = cp_plan.launcher_builds()
@@ -863,6 +864,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
     todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
                 zero_values=True, states_only=True)
+    todo += item_order.launcher_builds(descending=(False,))
     if backward:
         todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), states_only=True)
         todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True,
@@ -871,6 +873,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))
+        todo += item_order.launcher_builds(descending=(True,))
     if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)
         todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS)
     out = {}

@@ -159,7 +159,7 @@ def test_chunk_skip_builds_compile(tmp_path):
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "const int* __restrict__ skip" in sig, name
         assert re.search(r"int item = seq_order\[\(\(\(int64_t\)\(\(int\)blockIdx\.x\)\) >> \(int64_t\)1\)\];", src), \
-            f"{name}: the CTA's (sequence, head) item from the item order (`_tl.item_order`)"
+            f"{name}: the CTA's (sequence, head) item from the item order (`kernels.item_order`)"
         assert ("v_desc" in sig) == ("zero_v" not in name) and "q_desc" not in sig, name
         assert "fd_store_rows" not in src.split("chunk_fwd_kernel_kernel(", 2)[-1], name
         report = ptxas_report(src, tmp_path, name)
@@ -208,21 +208,4 @@ def test_seq_order(lengths, ctas, want):
 
     cu = torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
     got = _tl.seq_order(cu, ctas)
-    assert got.dtype == torch.int32 and got.tolist() == want
-
-
-@pytest.mark.parametrize("keys,ctas,descending,tail,want", [
-    # CP's M / E pass skips (smallest first), 2 CTAs per item: the whole walks (0), then the windows, the skipped
-    # items (1 << 30) and the padding tail's items last
-    ([[1 << 30, 0, 28], [29, 0, 1 << 30]], 40, False, True, [1, 4, 2, 3, 0, 5, 6, 7, 8]),
-    # chunk_dstate's takes (largest first), no tail: fallback heads (1 << 30), then the windows, then none (0)
-    ([[0, 0, 0], [3, 1 << 30, 2], [1 << 30, 4, 3]], 20, True, False, [4, 6, 7, 3, 8, 5, 0, 1, 2]),
-    ([[3, 0], [0, 3]], 33, True, False, [0, 1, 2, 3]),      # one wave (4 x 33 CTAs <= 132 SMs): the identity
-])
-def test_item_order(keys, ctas, descending, tail, want):
-    """The order CP's per-(sequence, head) passes take their work items in (kernels/_tl.py `item_order`): int32,
-    longest walk first, ties by index."""
-    from flashdelta.kernels import _tl
-
-    got = _tl.item_order(torch.tensor(keys, dtype=torch.int32), ctas, descending=descending, tail=tail)
     assert got.dtype == torch.int32 and got.tolist() == want

@@ -60,7 +60,7 @@ def test_take_build_compiles_within_budget(name, compiled, tmp_path):
     assert re.search(r"= take\[\(\(\(\(int64_t\)i_n\) \* \(int64_t\)\d+\) \+ \(\(int64_t\)i_hv\)\)\];", src), \
         "the walk's chunk count comes from take"
     assert "const int* __restrict__ order" in sig and "order[((int64_t)((int)blockIdx.x))]" in src, \
-        "the CTA's (sequence, head) item from the item order (`_tl.item_order`)"
+        "the CTA's (sequence, head) item from the item order (`kernels.item_order`)"
     report = ptxas_report(src, tmp_path, name)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
@@ -141,3 +141,50 @@ def test_windows_kernel_compiles_and_passes_the_checks(name, windows_compiled, t
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert re.search(r"\b0 bytes stack frame", report), report
+
+
+@pytest.mark.parametrize("keys,ctas,descending,tail,want", [
+    # CP's M / E pass skips (smallest first), 2 CTAs per item: the whole walks (0), then the windows, the skipped
+    # items (1 << 30) and the padding tail's items last
+    ([[1 << 30, 0, 28], [29, 0, 1 << 30]], 40, False, True, [1, 4, 2, 3, 0, 5, 6, 7, 8]),
+    # chunk_dstate's takes (largest first), no tail: fallback heads (1 << 30), then the windows, then none (0)
+    ([[0, 0, 0], [3, 1 << 30, 2], [1 << 30, 4, 3]], 20, True, False, [4, 6, 7, 3, 8, 5, 0, 1, 2]),
+    ([[3, 0], [0, 3]], 33, True, False, [0, 1, 2, 3]),      # one wave (4 x 33 CTAs <= 132 SMs): the identity
+])
+def test_item_order_twin(keys, ctas, descending, tail, want):
+    """The order CP's per-(sequence, head) passes take their work items in: the kernel's torch twin
+    (`kernels.item_order.reference_order`, a stable sort of the keys clamped to one byte), and the launcher's
+    identity where every CTA fits in one wave (no launch)."""
+    from flashdelta.kernels import item_order as io
+
+    keys = torch.tensor(keys, dtype=torch.int32)
+    if len(keys) * keys.shape[1] * ctas <= 132:
+        got = io.order(keys, ctas, descending=descending, tail=tail)
+        assert got.dtype == torch.int32
+    else:
+        got = io.reference_order(keys, descending=descending, tail=tail)
+    assert got.tolist() == want
+
+
+def test_item_order_kernel_compiles_and_is_listed(tmp_path):
+    """`kernels.item_order` (both directions): listed in `cp.builds` where its passes' builds are, compiles for
+    sm_90a, passes the hang checks, claims each position with one returning atomic (the store's bounds check reads
+    the claimed register, not a second atomic), no spills and no stack."""
+    from flashdelta.kernels import item_order as io
+
+    fwd = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    both = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
+                                                     backward=True)}
+    name = io.build.__name__
+    assert (name, io.builder_args(False)) in fwd and (name, io.builder_args(True)) not in fwd
+    assert {(name, io.builder_args(d)) for d in (False, True)} <= both
+    for descending in (False, True):
+        kernel = io.build(*io.builder_args(descending))
+        src = kernel.get_kernel_source()
+        assert hang_checks(src, kernel.get_host_source()) == []
+        assert src.count("AtomicAddRet(") == 1 and src.count("AtomicAdd(") == 1, "one counting, one claiming atomic"
+        assert ("255 - max(min(" in src) == descending
+        report = ptxas_report(src, tmp_path, f"item_order{int(descending)}")
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        assert spills and all(s == ("0", "0") for s in spills), report
+        assert re.search(r"\b0 bytes stack frame", report), report

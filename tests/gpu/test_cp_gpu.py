@@ -287,6 +287,32 @@ def test_grad_windows_kernel_matches_the_torch_grad_windows(i, normalized):
     assert exact.prefix is None and torch.equal(exact.fallback.cpu(), cont[:, None].expand(plan.P, HV))
 
 
+# (N, HV, descending, tail, key range): the warm-up passes' shapes (16 partitions at 2/8, 256 at 16/32: 8192 items,
+# eight of the kernel's thread rounds), keys past 255 (SKIP_ALL / TAKE_ALL) and negative ones
+ORDER_CASES = [(16, 8, False, True, 40), (17, 8, True, False, 1 << 30), (256, 32, True, False, 300),
+               (255, 32, False, True, 3), (1, 200, False, True, 256), (40, 4, True, True, -5)]
+
+
+@pytest.mark.parametrize("N,HV,descending,tail,hi", ORDER_CASES, ids=[f"{c[0]}x{c[1]}" for c in ORDER_CASES])
+def test_item_order_kernel_sorts_the_buckets(N, HV, descending, tail, hi):
+    """`kernels.item_order` (the warm-up passes' work order): a permutation of the items whose clamped keys run as
+    the stable sort's (`reference_order`; ties may come in any order), the padding tail's items last in place."""
+    from flashdelta.kernels import item_order as io
+
+    gen = torch.Generator().manual_seed(N * HV)
+    lo = min(hi, 0)
+    keys = torch.randint(lo, max(abs(hi), 1) + 1, (N, HV), generator=gen, dtype=torch.int32)
+    keys[0, 0] = 1 << 30
+    got = io.order(keys.cuda(), 132, descending=descending, tail=tail).cpu()
+    want = io.reference_order(keys, descending=descending, tail=tail)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(torch.sort(got).values, torch.arange(want.numel(), dtype=torch.int32)), "a permutation"
+    n = N * HV
+    bucket = torch.clamp(keys.reshape(-1).long(), 0, 255)
+    assert torch.equal(bucket[got[:n].long()], bucket[want[:n]]), "the items by bucket"
+    assert torch.equal(got[n:].long(), want[n:]), "the tail's items last, in place"
+
+
 AUTO_FWD = Case("cp-auto", (32768,), H=2, HV=8, K=128, V=128)
 GRAPH = Case("cp-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 

@@ -122,31 +122,6 @@ def seq_order(cu_seqlens: torch.Tensor, ctas_per_seq: int) -> torch.Tensor:
     return torch.argsort(keys, descending=True, stable=True).to(torch.int32)
 
 
-def item_order(keys: torch.Tensor, ctas_per_item: int, *, descending: bool, tail: bool) -> torch.Tensor:
-    """The order in which a kernel whose (sequence, value head) work items walk different chunk counts takes them:
-    int32 ``[R HV]`` (R = N, or N + 1 with `tail`), the work item of its CTAs ``[i * ctas_per_item, (i + 1) *
-    ctas_per_item)`` is item ``order[i]`` = ``n * HV + hv``, by `keys` (``[N, HV]`` integers, a monotone function
-    of the item's walk, clamped to [0, 255]: descending or ascending as said; ties by index) and, with `tail`, the
-    padding tail's HV items (``N * HV + hv``) last.
-
-    Context parallelism's warm-up passes walk a few chunks on most heads and whole partitions on the heads that fall
-    back; in index order a fallback head's CTA of the last partitions starts after most of the short ones, and the
-    pass ends a whole partition's walk after that (chunk_dstate at 16/32 1x32768: 289 us in index order, 206 longest
-    first, docs/dev/cp.md). Longest first is LPT list scheduling, as `seq_order`. Where every CTA fits in one wave the
-    order is the identity. Computed on the device, no host synchronisation."""
-    N, HV = keys.shape
-    R = N + int(tail)
-    dev = keys.device
-    if R * HV * ctas_per_item <= num_sms(dev if dev.type == "cuda" else None):
-        return torch.arange(R * HV, dtype=torch.int32, device=dev)
-    # one byte per key (walks of 255 chunks and more tie): the radix sort's passes go with the key's bits, and its
-    # 32-bit version took ~17 us for 288 items on the H200
-    flat = torch.clamp(keys.reshape(-1), 0, 255).to(torch.uint8)
-    if tail:
-        flat = torch.cat([flat, flat.new_full((HV,), 0 if descending else 255)])
-    return torch.argsort(flat, descending=descending, stable=True).to(torch.int32)
-
-
 def num_sms(device: Optional[torch.device] = None) -> int:
     """SM count of `device` (a CUDA device); None: this machine's current GPU, else `DEFAULT_NUM_SMS`."""
     if device is None:

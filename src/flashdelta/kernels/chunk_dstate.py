@@ -22,7 +22,7 @@ puts the two ~1e-3 apart (relative L2) after a few dozen chunks (docs/dev/chunk_
 Context parallelism's backward warm-up (docs/algorithm.md §4.4) launches builds with `chunk_take`: each (sequence,
 value head) walks only its first ``take[n, hv]`` chunks, from a zero gradient at the end of chunk take - 1 (the start
 gradient of a prefix window); the chunk count moves and the CTAs take their (sequence, head) items longest walk
-first (`_tl.item_order`), nothing else changes, and the builds without the flag are the same code as before it
+first (`item_order`), nothing else changes, and the builds without the flag are the same code as before it
 existed.
 
 One CTA (two warpgroups) per (sequence, value head), all of V in the CTA, ``dS^T [V, K]`` fp32 in registers.
@@ -34,7 +34,7 @@ the gates load into registers one chunk early. Output ``dh0 [N, HV, K, V]`` fp32
 import tilelang.language as T
 import torch
 
-from . import _tl
+from . import _tl, item_order
 from .chunk_bwd import BT, DTYPES, HEAD_DIMS, LOG2E, fetch_gates
 
 THREADS = 256
@@ -47,7 +47,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     ``take [N, HV]`` int32 input; the CTA of (sequence n, value head hv) walks chunks ``take[n, hv] - 1`` down to 0
     (take clamped to [0, NT_n]) from a zero gradient, so dh0 is the start gradient of the sequence's first ``take``
     chunks (0 where take <= 0), and the CTAs take their (sequence, head) items in the ``order [N HV]`` of
-    `_tl.item_order` (the largest take first: a few fallback heads walk whole partitions, most a short window).
+    `item_order` (the largest take first: a few fallback heads walk whole partitions, most a short window).
     Without it the kernel is unchanged."""
     G = HV // H
     acc = "float32"
@@ -56,7 +56,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     N_ = T.dynamic("N")
     # without chunk_take `take` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     take_t = T.Tensor((N_, HV), "int32") if chunk_take else None
-    order_t = T.Tensor((N_ * HV,), "int32") if chunk_take else None     # `_tl.item_order`: the longest walk first
+    order_t = T.Tensor((N_ * HV,), "int32") if chunk_take else None     # `item_order`: the longest walk first
 
     def walk_chunks(bos, eos, take, i_n, i_hv):
         # the chunks walked: with chunk_take, the first take[n, hv] (clamped, so that a take past the end walks the
@@ -248,5 +248,5 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale, chunk_size=6
     if chunk_take is None:
         build(*args)(*tensors)
     else:
-        build(*args, True)(*tensors, chunk_take, _tl.item_order(chunk_take, 1, descending=True, tail=False))
+        build(*args, True)(*tensors, chunk_take, item_order.order(chunk_take, 1, descending=True, tail=False))
     return out

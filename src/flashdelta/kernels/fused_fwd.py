@@ -30,7 +30,7 @@ shared-memory round trip. Warp roles (384 threads):
 
 Context parallelism's internal passes (`flashdelta.cp`) launch builds with `chunk_skip`: each (sequence, value
 head) starts its walk at a chunk given per CTA pair on the device (the warm-up windows, docs/algorithm.md §4.4); the
-start token moves and the CTAs take their (sequence, head) items longest walk first (`_tl.item_order`: a few heads
+start token moves and the CTAs take their (sequence, head) items longest walk first (`item_order`: a few heads
 walk whole partitions, most a few chunks), nothing else changes, and the builds without the flag are the same code
 as before it existed.
 
@@ -48,7 +48,7 @@ Timeline: `TABLE` (kernels/timeline.py), one thread per role; bench/dev/timeline
 import tilelang.language as T
 import torch
 
-from . import _ptx, _tl, timeline
+from . import _ptx, _tl, item_order, timeline
 
 BT = 64                 # chunk size
 NUM_STAGES = 3          # q/k/v/A/g/beta ring depth
@@ -100,7 +100,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     ``skip[n, hv]`` (clamped to [0, NT_n]) from the initial state (or zero), so the final state is the state after
     the last chunk of a walk over the sequence's last ``NT_n - skip`` chunks; o of the skipped chunks is not
     written (context parallelism's warm-up windows, docs/algorithm.md §4.4); ``seq_order`` is then the
-    ``[(N + 1) HV]`` item order of `_tl.item_order` (smallest skip first). zero_v: the values are zero (context
+    ``[(N + 1) HV]`` item order of `item_order` (smallest skip first). zero_v: the values are zero (context
     parallelism's M pass): no v is read (``v`` is a ``[1, 1, 1, V]`` placeholder) and the ring's v tiles are zeroed
     once. states_only: only the final state (context parallelism's M and E passes, whose o is discarded): no o is
     computed or written (``o`` is a ``[1, 1, 1, V]`` placeholder), so no Q K^T, Pg or O^T GEMMs, no q loads and no q,
@@ -127,7 +127,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
-    # with chunk_skip the CTAs take (sequence, value head) items in `_tl.item_order` (the longest walk first),
+    # with chunk_skip the CTAs take (sequence, value head) items in `item_order` (the longest walk first),
     # else sequences in `_tl.seq_order`
     order_t = T.Tensor(((N_ + 1) * HV,), "int32") if chunk_skip else T.Tensor((N_ + 1,), "int32")
     v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
@@ -347,7 +347,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
         with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
             if chunk_skip:
-                item = seq_order[bx // NV]               # longest walk first (`_tl.item_order`)
+                item = seq_order[bx // NV]               # longest walk first (`item_order`)
                 i_n = item // HV
                 i_hv = item % HV
             else:
@@ -687,7 +687,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     if chunk_skip is None:
         order = _tl.seq_order(cu_seqlens, HV * (V // BV))
     else:
-        order = _tl.item_order(chunk_skip, V // BV, descending=False, tail=True)
+        order = item_order.order(chunk_skip, V // BV, descending=False, tail=True)
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
                h0.contiguous(), cu_seqlens, order, ot, ht)
     extra = (hs,) if hs is not None else ()

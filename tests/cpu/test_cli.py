@@ -299,12 +299,12 @@ def test_warmup_function_rejects_bad_options(kwargs, exc, msg):
 
 def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
     """Context parallelism's builds (`cp.builds`) where a call may split: under auto for the heads whose cost model
-    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip and windows
-    builds), for every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a
+    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip, windows and
+    work-order builds), for every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a
     call; with the beta sigmoid CP's builds read fp32 beta."""
     pytest.importorskip("tilelang")
     from flashdelta import cp
-    from flashdelta.kernels import cp_windows, fused_fwd
+    from flashdelta.kernels import cp_windows, fused_fwd, item_order
     from flashdelta.precompile import cp_passes, variants
 
     monkeypatch.delenv(cp.ENV_CP, raising=False)
@@ -318,7 +318,8 @@ def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
                                            chunk_skip=(True,), states_only=True)
                  + fused_fwd.launcher_builds(16, 64, 128, 128, BF16, F32, F32, SCALE, initial_state=(True,),
                                              chunk_skip=(True,), zero_values=True, states_only=True)
-                 + cp_windows.launcher_builds(16, 64, 128, BF16, F32))
+                 + cp_windows.launcher_builds(16, 64, 128, BF16, F32)
+                 + item_order.launcher_builds(descending=(False,)))
     assert skip and not skip & _keys(bwd)
     assert _keys(cp.builds(16, 64, 128, 128, BF16, F32, SCALE, backward=True)) - skip <= _keys(bwd)
     assert _keys(cp.builds(16, 64, 128, 128, BF16, F32, SCALE)) <= _keys(variants([(16, 64)], num_sms=132,

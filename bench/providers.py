@@ -175,10 +175,8 @@ class FlashDelta(Provider):
         from flashdelta import cp
 
         T, HV, K, V = inp.q.shape[1], inp.v.shape[2], inp.k.shape[3], inp.v.shape[3]
-        kw = dict(T=T, N=len(inp.seqlens), HV=HV, K=K, V=V, sms=cp.num_sms(inp.q.device), lengths=list(inp.seqlens))
-        fwd = cp.choose(**kw)
-        # as `cp.decide`: where the forward stays unsplit it saves the backward's partition starts
-        L = cp.choose_bwd(**kw, starts_saved=fwd == 0) if train else fwd
+        L = cp.auto_lengths(T=T, N=len(inp.seqlens), HV=HV, K=K, V=V, sms=cp.num_sms(inp.q.device),
+                            lengths=list(inp.seqlens))[1 if train else 0]
         return max(1, -(-max(inp.seqlens, default=0) // (64 * L))) if L else 1
 
 

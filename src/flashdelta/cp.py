@@ -62,11 +62,11 @@ from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ
                        MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
                        choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold)
 
-__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "GradWindows", "Windows", "bounds", "builds",
-           "choose", "choose_bwd", "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode", "grad_windows",
-           "make_plan", "num_sms", "parse_request", "parse_warmup", "predict", "predict_bwd", "resolve_code",
-           "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states", "summaries", "supported",
-           "supported_bwd", "warmup_threshold", "windows"]
+__all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "GradWindows", "Windows", "auto_lengths", "bounds",
+           "builds", "choose", "choose_bwd", "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode",
+           "grad_windows", "make_plan", "num_sms", "parse_request", "parse_warmup", "predict", "predict_bwd",
+           "resolve_code", "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states", "summaries",
+           "supported", "supported_bwd", "warmup_threshold", "windows"]
 
 Tensor = torch.Tensor
 
@@ -202,10 +202,17 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
     kw = dict(T=B * T, N=N, HV=HV, K=K, V=V, sms=num_sms(device), lengths=lengths if varlen else None,
               seq_len=None if varlen else T, force=force)
     warm = warmup_threshold(parse_warmup(None), dtype) is not None
-    fwd = choose(**kw, warmup=warm)
-    # where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan)
-    bwd = choose_bwd(**kw, warmup=warm, starts_saved=fwd == 0) if force or supported_bwd(kset, K, V, dtype) else 0
-    return encode(fwd, bwd)
+    return encode(*auto_lengths(**kw, warmup=warm, backward=force or supported_bwd(kset, K, V, dtype)))
+
+
+def auto_lengths(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
+                 force: bool = False, warmup: Optional[bool] = None, backward: bool = True) -> tuple:
+    """(forward L, backward L) of `decide`'s cost models (0: serial; `backward` False: the backward stays serial).
+    Where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan),
+    which the backward's model counts."""
+    kw = dict(T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
+    fwd = choose(**kw)
+    return fwd, (choose_bwd(**kw, starts_saved=fwd == 0) if backward else 0)
 
 
 def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int,

@@ -396,6 +396,10 @@ def test_decide_on_the_cost_model(monkeypatch):
     assert cp.decode(cp.decide("auto", T=8192, HV=4, N=1, lengths=[8192], **kb))[1] > 0
     assert cp.decode(cp.decide("auto", T=8192, HV=4, N=1, lengths=[8192], **kb))[0] == 0
     assert cp.decide("auto", T=32768, HV=32, N=4, lengths=[8192] * 4, **kb) == 0
+    # `auto_lengths` (the benchmark's cp column) is the decision itself, both passes
+    for T, HV, lengths in ((8192, 32, [8192]), (8192, 4, [8192]), (32768, 8, [32768]), (16384, 8, [12000, 4384])):
+        got = cp.auto_lengths(T=T, N=len(lengths), HV=HV, K=128, V=128, sms=132, lengths=lengths)
+        assert cp.encode(*got) == cp.decide("auto", T=T, HV=HV, N=len(lengths), lengths=lengths, **kb), (T, HV)
     assert cp.decode(cp.decide("auto", T=8192, HV=32, N=1, lengths=[8192], **dict(kb, K=128, V=256)))[1] == 0
     del kw["varlen"], kb["varlen"]
     assert cp.resolve_code(cp.CP_AUTO, T=32768, HV=8, N=1, varlen=True, **kw) == cp.decode(cp.decide(

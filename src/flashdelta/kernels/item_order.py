@@ -33,6 +33,11 @@ def build(descending: bool):
     n_ = T.dynamic("n")
     m_ = T.dynamic("m")
 
+    def bucket(keys, i):
+        # item i's bucket: its key clamped to one byte, reversed when descending
+        b = T.max(T.min(keys[i], BUCKETS - 1), 0)
+        return (BUCKETS - 1 - b) if descending else b
+
     @T.prim_func
     def item_order_kernel(keys: T.Tensor((n_,), I32), order: T.Tensor((m_,), I32)):
         with T.Kernel(1, threads=THREADS) as _:
@@ -48,8 +53,7 @@ def build(descending: bool):
             for it in T.serial(T.ceildiv(n_, THREADS)):
                 i = it * THREADS + tx
                 if i < n_:
-                    b = T.max(T.min(keys[i], BUCKETS - 1), 0)
-                    T.atomic_add(cursor[(BUCKETS - 1 - b) if descending else b], 1)
+                    T.atomic_add(cursor[bucket(keys, i)], 1)
             T.sync_threads()
             if tx < BUCKETS:
                 scan[tx] = cursor[tx]
@@ -70,9 +74,8 @@ def build(descending: bool):
             for it in T.serial(T.ceildiv(n_, THREADS)):
                 i = it * THREADS + tx
                 if i < n_:
-                    b = T.max(T.min(keys[i], BUCKETS - 1), 0)
                     # the claimed position in a register: the store's bounds check must not repeat the atomic
-                    pos[0] = T.atomic_add(cursor[(BUCKETS - 1 - b) if descending else b], 1, return_prev=True)
+                    pos[0] = T.atomic_add(cursor[bucket(keys, i)], 1, return_prev=True)
                     order[pos[0]] = i
             for it in T.serial(T.ceildiv(m_ - n_, THREADS)):
                 j = n_ + it * THREADS + tx

@@ -532,28 +532,22 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
                    threshold=float(threshold))
 
 
-def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd, state_dtype,
+def summaries(q, k, v, g_cumsum, beta, A, plan: CPPlan, *, scale: float, chunk_fwd,
               windows: Optional[Windows] = None) -> tuple:
-    """``(M [P, HV, K, K], E [P, HV, K, V])`` (K-first) of every partition, by two `chunk_fwd` launches over the
-    partitions: zero values from the identity (M), v from zero (E). Their o is discarded.
+    """``(M [P, HV, K, K], E [P, HV, K, V])`` (K-first) of every partition, by one `chunk_fwd` launch over the
+    partitions with `transitions` (zero values from the identity: M; v from zero: E; no o), so that the M and the E
+    walks share one wave.
 
-    With `windows` (`windows`): the E pass walks each head's window (its `chunk_skip`), the M pass only the
-    fallback heads, from the identity; the other heads' M is 0 (their initial state, no chunk walked) and a
-    sequence's last partition has E = M = 0, so `scan_states` gives the warm-up's start states."""
-    T, HV = v.shape[1], v.shape[2]
-    K = k.shape[-1]
-    zeros = v.new_empty(1, T, HV, K)                 # the M pass's values: zero_values (never read, never filled)
+    With `windows` (`windows`): the E walks cover each head's window (its `chunk_skip`), the M walks only the
+    fallback heads' partitions; the other heads' M is 0 (no chunk walked) and a sequence's last partition has
+    E = M = 0, so `scan_states` gives the warm-up's start states. The states are the launcher's (fp32; float64
+    for float64 inputs on the portable path)."""
+    kw = dict(scale=scale, state_v_first=False, states_only=True, transitions=True)
     if windows is None:
-        eye = torch.eye(K, dtype=state_dtype, device=v.device)
-        _, M = chunk_fwd(q, k, zeros, g_cumsum, beta, A, eye.expand(plan.P, HV, K, K).contiguous(), plan.cu,
-                         scale=scale, state_v_first=False, zero_values=True, states_only=True)
-        _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
-                         states_only=True)
-        return M, E
-    M = _transitions(q, k, zeros, g_cumsum, beta, A, plan, windows.fallback, windows.skip_m, scale=scale,
-                     chunk_fwd=chunk_fwd, state_dtype=state_dtype)
-    _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, scale=scale, state_v_first=False,
-                     chunk_skip=windows.skip_e, states_only=True)
+        _, E, M = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, **kw)
+    else:
+        _, E, M = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, chunk_skip=windows.skip_e,
+                            transition_skip=windows.skip_m, **kw)
     return M, E
 
 
@@ -608,10 +602,9 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     launch = backends.fn("chunk_fwd")
-    sd = backends.kset("chunk_fwd").param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
     win = windows(g_cumsum, k, beta, plan, _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1]),
                   keys_normalized=keys_normalized, kset=backends.kset("chunk_fwd"))
-    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, state_dtype=sd, windows=win)
+    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
     h0 = initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
@@ -815,8 +808,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
     win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
     if starts is None:
-        M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd,
-                         state_dtype=sd)
+        M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd)
         h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
         scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
         H = scan_states(M, E, plan, h0, scan)
@@ -849,11 +841,12 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
 
 def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float, *,
            backward: bool = False) -> list:
-    """(label, builder, args) of the SM90 builds CP launches, each once: the forward's E pass (the fused forward at
-    value width V without an initial state, with `chunk_skip`), its output pass (width V with an fp32 initial
-    state, the serial pass's build at K = V) and its M pass (width K with one, with `chunk_skip`), all K-first; with
-    `backward`, also the backward's summary passes (widths V and K without `chunk_skip`), its state_recompute (fp32
-    start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
+    """(label, builder, args) of the SM90 builds CP launches, each once: the forward's M and E passes (the fused
+    forward at value width V without an initial state, with `chunk_skip` and `transitions`: one launch) and its
+    output pass (width V with an fp32 initial state, the serial pass's build at K = V), all K-first; with
+    `backward`, also the backward's summary passes (the same without `chunk_skip`), the M pass alone over the
+    fallback heads where the forward saved the partition starts (width K from the identity, zero values, with
+    `chunk_skip`), its state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
     the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
     builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
     it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan), the forward warm-up's windows
@@ -867,15 +860,13 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     todo = cp_plan.launcher_builds()
     todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype, backward=(False, True) if backward else (False,))
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
-                states_only=True)
+                transitions=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
-    todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
-                zero_values=True, states_only=True)
     todo += item_order.launcher_builds(descending=(False,))
     if backward:
-        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), states_only=True)
-        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), zero_values=True,
-                    states_only=True)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), transitions=True)
+        todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
+                    zero_values=True, states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))

@@ -310,7 +310,7 @@ def _forward(q, k, v, g, beta, h0s, sl: CPSlice, scale: float, l2norm: bool, L: 
     split = parts.J > 1
     M_r = E_r = None
     if split:
-        Mp, Ep = cp.summaries(qf, kf, vf, g_cumsum, b, A, parts, scale=scale, chunk_fwd=launch, state_dtype=sd)
+        Mp, Ep = cp.summaries(qf, kf, vf, g_cumsum, b, A, parts, scale=scale, chunk_fwd=launch)
         scan = "kernel" if cp._kernel_scan(Ep, ks) else None
         H = cp.scan_states(Mp, Ep, parts, h0, scan)
         last = parts.last_index[-1]
@@ -361,7 +361,7 @@ def _backward(q, k, v, g, beta, h0, M_r, do, dfinal, sl: CPSlice, scale: float, 
     F_r = None
     if split:
         fb = _param(bf, fks)
-        Mp, Ep = cp.summaries(qf, kf, vf, g_cumsum, fb, A, parts, scale=scale, chunk_fwd=fks.chunk_fwd, state_dtype=sd)
+        Mp, Ep = cp.summaries(qf, kf, vf, g_cumsum, fb, A, parts, scale=scale, chunk_fwd=fks.chunk_fwd)
         scan = "kernel" if cp._kernel_scan(Ep, fks) else None
         Hs = cp.scan_states(Mp, Ep, parts, h0, scan)
         Fp = cp._start_grads(dks.chunk_dstate, qf, kf, g_cumsum, _param(bf, dks), A, dof, parts,

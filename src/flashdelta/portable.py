@@ -332,7 +332,7 @@ def _check_chunk_counts(name: str, counts: Optional[Tensor], N: int, HV: int) ->
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              compute_dtype=None, operand_dtype=None):
+              transitions=False, transition_skip=None, compute_dtype=None, operand_dtype=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
@@ -344,7 +344,18 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     as None (context parallelism's M and E passes). `partition_starts` ``(L, slot [N] integer, P)``: also return,
     third, the state entering every L-th chunk of each sequence (and its initial state) at slot ``slot[n] + c // L``
     of a ``[P, HV, K, V]`` tensor in the state dtype, K-first, 0 on slots no sequence owns (context parallelism's
-    partition start states, saved by the training forward for its backward)."""
+    partition start states, saved by the training forward for its backward). `transitions` (with `states_only`, no
+    initial state, K-first): also return, third, each sequence's transition ``M [N, HV, K, K]`` (zero values walked
+    from the identity; `transition_skip` ``[N, HV]`` integer, with `chunk_skip` only, its walks' start chunks; M = 0
+    where that skips every chunk of a non-empty sequence): the SM90 launcher's one-launch M and E passes, here two walks."""
+    if transitions:
+        return _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, scale=scale, chunk_size=chunk_size,
+                                 chunk_skip=chunk_skip, transition_skip=transition_skip,
+                                 checks=(initial_state is None and states_only and not state_v_first
+                                         and not zero_values and partition_starts is None),
+                                 compute_dtype=compute_dtype, operand_dtype=operand_dtype)
+    if transition_skip is not None:
+        raise ValueError("transition_skip: only with transitions=True")
     if zero_values:
         v = torch.zeros_like(v)
     cd = _resolve(compute_dtype, operand_dtype, q, k, v)
@@ -383,6 +394,32 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     o = None if states_only else _scatter(oc, lay, v.dtype)
     ht = _state_out(S, state_v_first, _state_dtype(cd))
     return (o, ht) if starts is None else (o, ht, starts.to(_state_dtype(cd)))
+
+
+def _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, *, scale, chunk_size, chunk_skip, transition_skip,
+                      checks: bool, compute_dtype, operand_dtype):
+    """`chunk_fwd(transitions=True)`: ``(None, E, M)``, E the walk of v from zero (from `chunk_skip`), M of zero
+    values from the identity (from `transition_skip`; 0 where that skips every chunk of a non-empty sequence)."""
+    if not checks:
+        raise ValueError("transitions: only with states_only, no initial state, K-first states and no other "
+                         "context-parallel option")
+    if (transition_skip is None) != (chunk_skip is None):
+        raise ValueError("transition_skip: given exactly when chunk_skip is")
+    kw = dict(scale=scale, chunk_size=chunk_size, states_only=True, compute_dtype=compute_dtype,
+              operand_dtype=operand_dtype)
+    _, E = chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu_seqlens, chunk_skip=chunk_skip, **kw)
+    N, HV, K = E.shape[0], E.shape[1], k.shape[-1]
+    _check_chunk_counts("transition_skip", transition_skip, N, HV)
+    cu = cu_seqlens.to(device=k.device, dtype=torch.long)
+    nt = torch.div(cu[1:] - cu[:-1] + chunk_size - 1, chunk_size, rounding_mode="floor")[:, None]    # [N, 1]
+    first = (torch.zeros_like(nt) if transition_skip is None
+             else torch.clamp(transition_skip.to(device=k.device, dtype=torch.long), min=0))
+    walks = ((first < nt) | (nt == 0))[:, :, None, None]                                               # [N, HV]
+    eye = torch.eye(K, dtype=E.dtype, device=k.device)
+    start = torch.where(walks, eye, eye.new_zeros(())).expand(N, HV, K, K).contiguous()
+    _, M = chunk_fwd(q, k, v.new_empty(1, v.shape[1], HV, K), g_cumsum, beta, A, start, cu_seqlens,
+                     chunk_skip=transition_skip, zero_values=True, **kw)
+    return None, E, M
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64,

@@ -93,11 +93,9 @@ def _cp_builds(H: int, HV: int, K: int, V: int, dtype, beta_dtype, scale: float,
     todo = cp.builds(H, HV, K, V, dtype, beta_dtype, scale, backward=bwd)
     if fwd:
         return todo
-    # the warm-up's passes as `cp.builds` lists them: E at width V, M at width K without reading v
+    # the warm-up's M and E passes (one launch) as `cp.builds` lists them
     fwd_only = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
-                                         chunk_skip=(True,), states_only=True)
-    fwd_only += fused_fwd.launcher_builds(H, HV, K, K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
-                                          chunk_skip=(True,), zero_values=True, states_only=True)
+                                         chunk_skip=(True,), transitions=True)
     fwd_only += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)      # the forward's warm-up decision
     fwd_only += item_order.launcher_builds(descending=(False,))               # the chunk_skip passes' order
     skip = {(b.__name__, args) for _, b, args in fwd_only}

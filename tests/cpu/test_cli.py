@@ -315,9 +315,7 @@ def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
     assert variants([(16, 64)], num_sms=132) == variants([(16, 64)], num_sms=132, context_parallel=False)
     bwd = variants([(16, 64)], num_sms=132, backward=True)
     skip = _keys(fused_fwd.launcher_builds(16, 64, 128, 128, BF16, F32, F32, SCALE, initial_state=(False,),
-                                           chunk_skip=(True,), states_only=True)
-                 + fused_fwd.launcher_builds(16, 64, 128, 128, BF16, F32, F32, SCALE, initial_state=(True,),
-                                             chunk_skip=(True,), zero_values=True, states_only=True)
+                                           chunk_skip=(True,), transitions=True)
                  + cp_windows.launcher_builds(16, 64, 128, BF16, F32)
                  + item_order.launcher_builds(descending=(False,)))
     assert skip and not skip & _keys(bwd)
@@ -380,7 +378,7 @@ def test_warmup_option_builds_compile():
                     use_beta_sigmoid_in_kernel=True, context_parallel=True)
     pick = [next(x for x in todo if x[0].startswith("prepare_fwd")),
             next(x for x in todo if x[0].startswith("chunk_fwd")),
-            next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip states"))]
+            next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip states transitions"))]
 
     def compile_one(build):
         kernel = build[1](*build[2])

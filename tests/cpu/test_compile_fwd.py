@@ -118,20 +118,24 @@ def test_kernel_set_by_keyword():
 
 # ----------------------------------------------------------------------------------------- CP's chunk_skip builds
 
-SKIP_BUILDS = {   # CP's M pass (identity start, zero values, width K) and E pass (zero start), states only, at 2/8
+SKIP_BUILDS = {   # CP's M pass alone (identity start, zero values, width K) and the M and E passes in one launch
     "M-h0-skip-zero_v-states": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32,
                                                       SCALE, True, False) + (False, True, True, True),
-    "E-noh0-skip-states": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
-                                                 False, False) + (False, True, False, True),
+    "ME-noh0-skip-states-transitions": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
+                                                              torch.float32, SCALE, False, False)
+    + (False, True, False, True, False, True),
 }
+TRANSITIONS_BUILD = fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, False,
+                                           False) + (False, False, False, True, False, True)
 
 
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
     under their own cache keys (the default builds' arguments are unchanged), CP's M and E passes also with
-    `states_only` (no o: no q tensor map, no o row stores) and the M pass with zero values (`zero_values`: no v tensor
-    map); they compile for sm_90a, pass the hang checks, read `skip [N, HV]` int32, and ptxas keeps the default
-    build's budget (no spills, no stack frame)."""
+    `states_only` (no o: no q tensor map, no o row stores), the M pass with zero values (`zero_values`: no v tensor
+    map) and both in one launch (`transitions`: the M output `hm` and the M walks' `skip_m`; also without the skip,
+    the backward's summaries); they compile for sm_90a, pass the hang checks, read `skip [N, HV]` int32, and ptxas
+    keeps the default build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
     from _builds import hang_checks, ptxas_report
@@ -146,24 +150,32 @@ def test_chunk_skip_builds_compile(tmp_path):
     lb_m = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
                                      initial_state=(True,), chunk_skip=(True,), zero_values=True, states_only=True)
     lb_e = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
-                                     initial_state=(False,), chunk_skip=(True,), states_only=True)
+                                     initial_state=(False,), chunk_skip=(True,), transitions=True)
     assert [a for _, _, a in lb_m + lb_e] == list(SKIP_BUILDS.values())
-    assert lb_m[0][0].endswith(" skip zero_v states") and lb_e[0][0].endswith(" skip states")
+    assert lb_m[0][0].endswith(" skip zero_v states") and lb_e[0][0].endswith(" skip states transitions")
+    assert [a for _, _, a in fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32,
+                                                       SCALE, initial_state=(False,), transitions=True)] == \
+        [TRANSITIONS_BUILD]
     assert fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE) == \
         lb[::2][::-1], "the default list is the builds without the flag"
-    with concurrent.futures.ThreadPoolExecutor(len(SKIP_BUILDS)) as pool:
-        kernels = dict(zip(SKIP_BUILDS, pool.map(lambda a: fused_fwd.build(*a), SKIP_BUILDS.values())))
+    todo = {**SKIP_BUILDS, "ME-noh0-states-transitions": TRANSITIONS_BUILD}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        kernels = dict(zip(todo, pool.map(lambda a: fused_fwd.build(*a), todo.values())))
     for name, kernel in kernels.items():
         src = kernel.get_kernel_source()
         assert hang_checks(src, kernel.get_host_source()) == [], name
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+        assert ("float* __restrict__ hm" in sig) == ("transitions" in name), name
+        report = ptxas_report(src, tmp_path, name)
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+        if "skip" not in name:
+            continue
         assert "const int* __restrict__ skip" in sig, name
+        assert ("const int* __restrict__ skip_m" in sig) == ("transitions" in name), name
         assert re.search(r"int item = seq_order\[\(\(\(int64_t\)\(\(int\)blockIdx\.x\)\) >> \(int64_t\)1\)\];", src), \
             f"{name}: the CTA's (sequence, head) item from the item order (`kernels.item_order`)"
         assert ("v_desc" in sig) == ("zero_v" not in name) and "q_desc" not in sig, name
         assert "fd_store_rows" not in src.split("chunk_fwd_kernel_kernel(", 2)[-1], name
-        report = ptxas_report(src, tmp_path, name)
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 def test_partition_starts_builds_compile(tmp_path):

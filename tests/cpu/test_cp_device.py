@@ -99,8 +99,7 @@ def test_summary_passes_and_scans_match_the_reference():
     plan = cp.make_plan(cu, q.shape[1], L)
     parts = rcp.partition(cu, L)
     E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
-    Md, Ed = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd,
-                          state_dtype=F64)
+    Md, Ed = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd)
     assert_close("M", Md[:parts.P], M, tol=1e-12)
     assert_close("E", Ed[:parts.P], E, tol=1e-12)
     for h0 in (x["initial_state"], None):
@@ -165,7 +164,7 @@ def test_start_grads_and_reverse_scans_match_the_reference():
     first = plan.first[:parts.P]
     assert first.any() and (~first).any() and bool((Fe[first] == 0).all())
     assert_close("F", Fe[~first], F[~first], tol=1e-12)
-    Md, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    Md, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd)
     for dht in (torch.randn(x["initial_state"].shape, dtype=F64), None):
         want, _ = rcp.scan_grads(F, M, parts, dht)
         for method in ("serial", "log"):

@@ -209,7 +209,7 @@ def test_warmup_start_states_equal_the_reference(case, L, thr):
     parts = rcp.partition(cu, L)
     win = cp.windows(g_cumsum, k, beta, plan, thr)
     M, E = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=0.25, chunk_fwd=portable.chunk_fwd,
-                        state_dtype=F64, windows=win)
+                        windows=win)
     plan_ref = rcp.warmup_chunks(g_cumsum, parts, threshold=thr, direction="fwd")
     for h0 in (x["initial_state"], None):
         want, _ = rcp.warmup_states(k, v, g_cumsum, beta, A, h0, parts, plan_ref)
@@ -236,7 +236,7 @@ def test_warmup_within_the_bound(case, L, thr, tight):
     plan = cp.make_plan(cu, q.shape[1], L)
     parts = rcp.partition(cu, L)
     win = cp.windows(g_cumsum, k, beta, plan, thr)
-    kw = dict(scale=case.K ** -0.5, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    kw = dict(scale=case.K ** -0.5, chunk_fwd=portable.chunk_fwd)
     warm = cp.scan_states(*cp.summaries(q, k, v, g_cumsum, beta, A, plan, windows=win, **kw), plan, h0)
     exact = cp.scan_states(*cp.summaries(q, k, v, g_cumsum, beta, A, plan, **kw), plan, h0)
     states = ref.state_recompute(k, v, g_cumsum, beta, A, h0, cu)        # [NT, HV, K, V]: serial truth
@@ -491,7 +491,7 @@ def test_chunk_take_walks_the_first_chunks():
 
 def _warm_end_grads(q, k, v, g_cumsum, beta, A, do, dht, plan, win, method, scale=0.25):
     """The device path's end gradients with the warm-up: F over the windows, the warm-up heads' M zeroed, the scan."""
-    M, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=portable.chunk_fwd, state_dtype=F64)
+    M, _ = cp.summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=portable.chunk_fwd)
     F = cp._start_grads(portable.chunk_dstate, q, k, g_cumsum, beta, A, do, plan, scale=scale, take=win.take)
     M = M.masked_fill(~win.fallback[:, :, None, None], 0)
     return cp.scan_grads(M, F, plan, dht, method)

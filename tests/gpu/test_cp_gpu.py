@@ -392,9 +392,10 @@ def _flat_inputs(x):
 
 
 def test_summary_builds_equal_the_full_pass():
-    """CP's summary builds (`zero_values`: no v read; `states_only`: no o) give bit for bit the final states the
-    full pass gives a zero v tensor (M, from the identity) or v (E, from zero), with and without `chunk_skip`, over
-    ragged partitions; the full pass's o is unchanged by the flags' existence."""
+    """CP's summary builds (`zero_values`: no v read; `states_only`: no o; `transitions`: M and E in one launch)
+    give bit for bit the final states the full pass gives a zero v tensor (M, from the identity) or v (E, from
+    zero), with and without `chunk_skip` (with `transitions`, M's own skips), over ragged partitions; the full pass's
+    o is unchanged by the flags' existence."""
     from flashdelta.kernels import fused_fwd, prepare
 
     x = make_inputs(SKIP_CASE, dtype=torch.bfloat16, device="cuda")
@@ -416,6 +417,21 @@ def test_summary_builds_equal_the_full_pass():
         _, e0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, **kw)
         o2, e1 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, states_only=True, **kw)
         assert o2 is None and torch.equal(e0, e1), "E"
+        # M and E in one launch (`transitions`): the same walks; with the skips, M walks its own (here: other
+        # chunks than E's, and none at all on some heads, whose M is then 0)
+        skip_m = None if chunk_skip is None else torch.where(skip % 3 == 0, cp.SKIP_ALL, 13 - skip)
+        o3, e2, m2 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, None, cu, states_only=True, transitions=True,
+                                         transition_skip=skip_m, **kw)
+        assert o3 is None and torch.equal(e2, e0), "E with transitions"
+        if skip_m is None:
+            assert torch.equal(m2, m0), "M with transitions"
+        else:
+            lens = (cu[1:] - cu[:-1])[:, None]
+            walks = ((torch.clamp(skip_m.long(), min=0) * 64 < lens) | (lens == 0))[:, :, None, None]
+            _, m3 = fused_fwd.chunk_fwd(q, k, zeros, g_cumsum, beta, A, torch.where(walks, eye, 0.0), cu,
+                                        scale=K ** -0.5, chunk_skip=skip_m)
+            assert torch.equal(m2, m3), "M with transitions and its own skips"
+            assert (m2[~walks.expand_as(m2)] == 0).all()
 
 
 def test_chunk_skip_kernel_matches_the_float64_twin():

@@ -45,6 +45,8 @@ Global offsets that can pass 2^31 elements (o, g, beta, states) are computed in 
 Timeline: `TABLE` (kernels/timeline.py), one thread per role; bench/dev/timeline.py prints it.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
+import math
+
 import tilelang.language as T
 import torch
 
@@ -91,7 +93,7 @@ TABLE = timeline.Table(
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
           has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False,
-          zero_v: bool = False, states_only: bool = False, save_starts: bool = False):
+          zero_v: bool = False, states_only: bool = False, save_starts: bool = False, transitions: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
@@ -108,10 +110,21 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     ``c % every == 0`` (and sequence n's initial state, also for an empty sequence) to ``starts [P, HV, K, V]`` at
     slot ``slot[n] + c // every``: the start state of every partition of `every` chunks (context parallelism's
     backward, which then needs no summary passes for its start states), by per-thread stores once per partition.
+    transitions: context parallelism's M and E passes in one launch (with states_only, no initial state): besides
+    the ``V / 64`` CTAs per (sequence, value head) of the walk of v from zero (E, to ``ht``), ``K / 64`` CTAs walk
+    zero values (no v read) from the identity to ``hm [N, HV, K, K]`` (M), all K-first; with chunk_skip the M CTAs
+    start at ``skip_m [N, HV]`` and the E CTAs at ``skip``, and an M walk of no chunk gives M = 0 (a head whose start
+    state comes from its warm-up window; an empty sequence's M is the identity). Both kinds of work item share one wave and one item order.
     Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
     NV = V // BV
+    # with transitions a (sequence, value head) has NK = K / 64 M slices, then NV E slices, taken in work items of
+    # IC = gcd(NK, NV) CTAs (IPH items per head) so that one item order covers both kinds
+    NK = K // BV
+    NC = NK + NV if transitions else NV
+    IC = math.gcd(NK, NV) if transitions else NV
+    IPH = NC // IC
     acc = "float32"
     # tiling config
     NS = NUM_STAGES
@@ -129,20 +142,28 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
     # with chunk_skip the CTAs take (sequence, value head) items in `item_order` (the longest walk first),
     # else sequences in `_tl.seq_order`
-    order_t = T.Tensor(((N_ + 1) * HV,), "int32") if chunk_skip else T.Tensor((N_ + 1,), "int32")
+    order_t = T.Tensor(((N_ + 1) * HV * IPH,), "int32") if chunk_skip else T.Tensor((N_ + 1,), "int32")
     v_t = T.Tensor((1, 1, 1, V), dtype) if zero_v else T.Tensor((1, T_, HV, V), dtype)
     o_t = T.Tensor((1, 1, 1, V), dtype) if states_only else T.Tensor((1, T_, HV, V), dtype)
     assert not (save_starts and (save_states or chunk_skip or zero_v or states_only)), "save_starts: chunk_fwd only"
+    assert not transitions or (states_only and not (has_initial_state or state_v_first or zero_v or save_states
+                                                    or save_starts)), "transitions: states_only, K-first, no h0"
+    hm_t = T.Tensor((N_, HV, K, K), acc) if transitions else None
+    skipm_t = T.Tensor((N_, HV), "int32") if transitions and chunk_skip else None
     starts_t = T.Tensor((T.dynamic("P"), HV, K, V), acc) if save_starts else None
     slot_t = T.Tensor((N_,), "int32") if save_starts else None
     every_t = T.int32 if save_starts else None
 
-    def walk_start(bos, eos, skip, i_n, i_hv):
-        # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (clamped, so that no product
-        # overflows and a skip past the end gives an empty walk); else the sequence start
+    def walk_start(bos, eos, skip, skip_m, is_m, i_n, i_hv):
+        # the first token of the walk: with chunk_skip, skip[n, hv] chunks in (skip_m[n, hv] for an M slice;
+        # clamped, so that no product overflows and a skip past the end gives an empty walk); else the sequence start
         if not chunk_skip:
             return bos
-        c0 = T.min(T.max(skip[i_n, i_hv], 0), T.ceildiv(eos - bos, BT))
+        if transitions:
+            sk = T.if_then_else(is_m, skip_m[i_n, i_hv], skip[i_n, i_hv])
+        else:
+            sk = skip[i_n, i_hv]
+        c0 = T.min(T.max(sk, 0), T.ceildiv(eos - bos, BT))
         return T.min(bos + c0 * BT, eos)
 
     @T.macro
@@ -343,19 +364,24 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         starts: starts_t,
         slot: slot_t,
         every: every_t,
+        hm: hm_t,
+        skip_m: skipm_t,
     ):
         prelude = _ptx.STAGE_O_PRELUDE + _ptx.STORE_ROWS_PRELUDE + timeline.prelude(TABLE)
-        with T.Kernel((N_ + 1) * (HV * NV), threads=THREADS, prelude=prelude) as bx:
+        with T.Kernel((N_ + 1) * (HV * NC), threads=THREADS, prelude=prelude) as bx:
             if chunk_skip:
-                item = seq_order[bx // NV]               # longest walk first (`item_order`)
-                i_n = item // HV
-                i_hv = item % HV
+                item = seq_order[bx // IC]               # longest walk first (`item_order`)
+                i_n = item // (HV * IPH)
+                i_hv = (item // IPH) % HV
+                i_v = (item % IPH) * IC + bx % IC
             else:
-                i_n = seq_order[bx // (HV * NV)]         # longest sequence first (`_tl.seq_order`)
-                i_hv = (bx // NV) % HV
-            i_v = bx % NV
+                i_n = seq_order[bx // (HV * NC)]         # longest sequence first (`_tl.seq_order`)
+                i_hv = (bx // NC) % HV
+                i_v = bx % NC
             i_h = i_hv // G
-            v0 = i_v * BV
+            # with transitions slices [0, NK) walk M (state columns v0 of K), the rest E (value columns v0 of V)
+            is_m = i_v < NK if transitions else False
+            v0 = T.if_then_else(is_m, i_v, i_v - NK) * BV if transitions else i_v * BV
 
             # ---- shared memory: input ring, prep outputs, o staging ----
             # states_only reads no q, forms no Pg and stages no o: those tiles are not allocated (None)
@@ -399,7 +425,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         for u in T.vectorized(VEC):
                             o[0, T.cast(row, "int64"), i_hv, v0 + (e % per_row) * VEC + u] = T.cast(0, dtype)
             else:
-                bos = walk_start(cu_seqlens[i_n], cu_seqlens[i_n + 1], skip, i_n, i_hv)
+                bos = walk_start(cu_seqlens[i_n], cu_seqlens[i_n + 1], skip, skip_m, is_m, i_n, i_hv)
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
                 n64 = T.cast(i_n, "int64")
@@ -425,6 +451,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         else:
                             for i, j in T.Parallel(BV, K):
                                 s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
+                    elif transitions:
+                        # M: the identity's columns v0.. (S^T [i, j] = I[j, v0 + i]); 0 where the skip passes
+                        # every chunk of a non-empty sequence (a warm-up head's M)
+                        ident = T.if_then_else(T.And(is_m, T.Or(NT > 0, eos == cu_seqlens[i_n])), 1.0, 0.0)
+                        for i, j in T.Parallel(BV, K):
+                            s_f[i, j] = T.Select(j == v0 + i, ident, 0.0)
                     else:
                         T.clear(s_f)
                     if save_starts:
@@ -473,6 +505,13 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     if state_v_first:
                         for i, j in T.Parallel(BV, K):
                             ht[n64, i_hv, v0 + i, j] = s_f[i, j]
+                    elif transitions:
+                        if is_m:
+                            for i, j in T.Parallel(BV, K):
+                                hm[n64, i_hv, j, v0 + i] = s_f[i, j]
+                        else:
+                            for i, j in T.Parallel(BV, K):
+                                ht[n64, i_hv, j, v0 + i] = s_f[i, j]
                     else:
                         for i, j in T.Parallel(BV, K):
                             ht[n64, i_hv, j, v0 + i] = s_f[i, j]
@@ -508,12 +547,21 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                             for s_, i, j in T.Parallel(NS, BT, BV):
                                 v_s[s_, i, j] = T.cast(0, dtype)
                             T.fence_proxy_async()
+                        elif transitions:
+                            if is_m:            # an M slice: zero values, as zero_v
+                                for s_, i, j in T.Parallel(NS, BT, BV):
+                                    v_s[s_, i, j] = T.cast(0, dtype)
+                                T.fence_proxy_async()
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
                             T.barrier_wait(empty_va[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.empty")
-                            if not zero_v:
+                            if transitions:
+                                if i_v >= NK:       # an E slice
+                                    T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :],
+                                               barrier=full[st])
+                            elif not zero_v:
                                 T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
@@ -553,29 +601,32 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
-                    chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False) -> list:
+                    chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False,
+                    transitions=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
-    builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o)
-    and `partition_starts` (the training forward's partition start states) are what only context parallelism
-    launches (`cp.builds`)."""
+    builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o),
+    `partition_starts` (the training forward's partition start states) and `transitions` (the M and E passes in one
+    launch, states_only implied) are what only context parallelism launches (`cp.builds`)."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
             args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
             for skip in chunk_skip:
-                flags = _flags(False, skip, zero_values, states_only, partition_starts)
+                flags = _flags(False, skip, zero_values, states_only or transitions, partition_starts, transitions)
                 out.append((label + (" skip" if skip else "") + (" zero_v" if zero_values else "")
-                            + (" states" if states_only else "") + (" starts" if partition_starts else ""), build,
-                            args + flags))
+                            + (" states" if states_only or transitions else "")
+                            + (" starts" if partition_starts else "") + (" transitions" if transitions else ""),
+                            build, args + flags))
     return out
 
 
-def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool, save_starts: bool = False) -> tuple:
+def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool, save_starts: bool = False,
+           transitions: bool = False) -> tuple:
     """The trailing `build` arguments of these flags, as short as the defaults allow (the default builds keep the
     cache keys they had before the flags existed)."""
-    flags = (save_states, chunk_skip, zero_v, states_only, save_starts)
+    flags = (save_states, chunk_skip, zero_v, states_only, save_starts, transitions)
     while flags and not flags[-1]:
         flags = flags[:-1]
     return flags
@@ -591,7 +642,8 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None):
+              chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
+              transitions=False, transition_skip=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -614,17 +666,23 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             ``[N]`` int32): the start states of context parallelism's partitions of L chunks (`flashdelta.cp`,
             ``slot`` its plan's first partition of each sequence). Slots no sequence owns are 0. Not with the
             other context-parallel options.
+        transitions: with states_only, no initial state and K-first states: also return third each sequence's
+            transition ``M [N, HV, K, K]`` fp32 (the walk of zero values from the identity), from the same launch
+            (context parallelism's M and E passes, whose work items then share one wave). transition_skip: with
+            chunk_skip (and only then), ``[N, HV]`` integer, the M walks' start chunks as chunk_skip gives the E
+            walks'; where it skips every chunk of a non-empty sequence M = 0 (not the identity).
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
-        `state_v_first`; with partition_starts the start states third. One launch of (N + 1) * HV * V / 64 CTAs;
+        `state_v_first`; with partition_starts the start states third; with transitions M third (o None). One launch of (N + 1) * HV * V / 64 CTAs;
         no host synchronisation.
     """
-    o, ht, starts = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,
-                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
-                            partition_starts=partition_starts)
-    return (o, ht) if partition_starts is None else (o, ht, starts)
+    o, ht, third = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                           state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,
+                           chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
+                           partition_starts=partition_starts, transitions=transitions,
+                           transition_skip=transition_skip)
+    return (o, ht) if partition_starts is None and not transitions else (o, ht, third)
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
@@ -639,10 +697,11 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
-            save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None):
-    """Both launchers' body: (o, ht, None), (o, hs, ht) with save_states, or (o, ht, starts) with
-    partition_starts; `chunk_skip`, `zero_values`, `states_only` (o None) and `partition_starts` as `chunk_fwd`
-    takes them (`zero_values` not with save_states)."""
+            save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
+            transitions=False, transition_skip=None):
+    """Both launchers' body: (o, ht, None), (o, hs, ht) with save_states, (o, ht, starts) with partition_starts,
+    or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
+    `transitions` and `transition_skip` as `chunk_fwd` takes them (`zero_values` not with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -662,6 +721,19 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
         assert not save_states and tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
             "chunk_skip: integer [N, HV], chunk_fwd only"
         chunk_skip = chunk_skip.to(torch.int32).contiguous()
+    hm = None
+    if transitions:
+        assert states_only and initial_state is None and not (state_v_first or zero_values or save_states
+                                                              or partition_starts is not None), \
+            "transitions: states_only, K-first, no initial state"
+        assert (transition_skip is None) == (chunk_skip is None), "transition_skip: exactly with chunk_skip"
+        hm = _tl.alloc((N, HV, K, K), torch.float32, dev)
+        if transition_skip is not None:
+            assert tuple(transition_skip.shape) == (N, HV) and not transition_skip.dtype.is_floating_point, \
+                "transition_skip: integer [N, HV]"
+            transition_skip = transition_skip.to(torch.int32).contiguous()
+    else:
+        assert transition_skip is None, "transition_skip: with transitions"
     starts = None
     if partition_starts is not None:
         L, slot, P = partition_starts
@@ -677,6 +749,8 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
             ht.copy_(initial_state)
         if starts is not None and N:
             starts.index_copy_(0, slot.long(), ht.transpose(-1, -2) if state_v_first else ht)
+        if hm is not None:      # every sequence is empty: M = I
+            return o, ht, hm.copy_(torch.eye(K, device=dev).expand(N, HV, K, K))
         return (o, hs, ht) if hs is not None else (o, ht, starts)
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
@@ -684,8 +758,15 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     assert not (zero_values and save_states), "zero_values: chunk_fwd only"
     vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
     ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
+    NK = K // BV if transitions else 0
     if chunk_skip is None:
-        order = _tl.seq_order(cu_seqlens, HV * (V // BV))
+        order = _tl.seq_order(cu_seqlens, HV * (NK + V // BV))
+    elif transitions:
+        # items of IC CTAs: per (sequence, head) NK / IC of M, then V / BV / IC of E, keyed by their walks' skips
+        ic = math.gcd(NK, V // BV)
+        keys = torch.cat([transition_skip[:, :, None].expand(N, HV, NK // ic),
+                          chunk_skip[:, :, None].expand(N, HV, V // BV // ic)], 2).view(N, -1)
+        order = item_order.order(keys, ic, descending=False, tail=True)
     else:
         order = item_order.order(chunk_skip, V // BV, descending=False, tail=True)
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
@@ -695,6 +776,10 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
         extra += (chunk_skip,)
     if starts is not None:
         extra += (starts, slot, int(partition_starts[0]))
+    if hm is not None:
+        extra += (hm,) + ((transition_skip,) if transition_skip is not None else ())
     build(*args, *_flags(save_states, chunk_skip is not None, zero_values, states_only,
-                         starts is not None))(*tensors, *extra)
+                         starts is not None, transitions))(*tensors, *extra)
+    if hm is not None:
+        return o, ht, hm
     return (o, hs, ht) if hs is not None else (o, ht, starts)

@@ -846,13 +846,13 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     output pass (width V with an fp32 initial state, the serial pass's build at K = V), all K-first; with
     `backward`, also the backward's summary passes (the same without `chunk_skip`), the M pass alone over the
     fallback heads where the forward saved the partition starts (width K from the identity, zero values, with
-    `chunk_skip`), its state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate with and without `chunk_take` (the exact F and
-    the warm-up's windows), where chunk_bwd supports (K, V). A V-first caller's serial path uses its own V-first
-    builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with and without h0 / dht, both V tiles) where
-    it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for every plan), the forward warm-up's windows
-    kernel (`kernels.cp_windows`, with and without keys_normalized; with `backward`, also the backward's) where it
-    takes the heads and dtypes, and the work order of the `chunk_skip` passes (`kernels.item_order`, ascending)
-    and of chunk_dstate's `chunk_take` (descending)."""
+    `chunk_skip`), its state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate with and
+    without `chunk_take` (the exact F and the warm-up's windows), where chunk_bwd supports (K, V). A V-first
+    caller's serial path uses its own V-first builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with
+    and without h0 / dht, both V tiles) where it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for
+    every plan), the forward warm-up's windows kernel (`kernels.cp_windows`, with and without keys_normalized; with
+    `backward`, also the backward's) where it takes the heads and dtypes, and the work order of the `chunk_skip`
+    passes (`kernels.item_order`, ascending) and of chunk_dstate's `chunk_take` (descending)."""
     from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
                           cp_windows, fused_fwd, item_order)
 

@@ -347,7 +347,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     partition start states, saved by the training forward for its backward). `transitions` (with `states_only`, no
     initial state, K-first): also return, third, each sequence's transition ``M [N, HV, K, K]`` (zero values walked
     from the identity; `transition_skip` ``[N, HV]`` integer, with `chunk_skip` only, its walks' start chunks; M = 0
-    where that skips every chunk of a non-empty sequence): the SM90 launcher's one-launch M and E passes, here two walks."""
+    where that skips every chunk of a non-empty sequence): the SM90 launcher's one-launch M and E passes, here two
+    walks."""
     if transitions:
         return _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, scale=scale, chunk_size=chunk_size,
                                  chunk_skip=chunk_skip, transition_skip=transition_skip,
@@ -416,7 +417,7 @@ def _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, *, scale, chunk_si
              else torch.clamp(transition_skip.to(device=k.device, dtype=torch.long), min=0))
     walks = ((first < nt) | (nt == 0))[:, :, None, None]                                               # [N, HV]
     eye = torch.eye(K, dtype=E.dtype, device=k.device)
-    start = torch.where(walks, eye, eye.new_zeros(())).expand(N, HV, K, K).contiguous()
+    start = torch.where(walks, eye, eye.new_zeros(()))                                                 # [N, HV, K, K]
     _, M = chunk_fwd(q, k, v.new_empty(1, v.shape[1], HV, K), g_cumsum, beta, A, start, cu_seqlens,
                      chunk_skip=transition_skip, zero_values=True, **kw)
     return None, E, M

@@ -113,8 +113,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     transitions: context parallelism's M and E passes in one launch (with states_only, no initial state): besides
     the ``V / 64`` CTAs per (sequence, value head) of the walk of v from zero (E, to ``ht``), ``K / 64`` CTAs walk
     zero values (no v read) from the identity to ``hm [N, HV, K, K]`` (M), all K-first; with chunk_skip the M CTAs
-    start at ``skip_m [N, HV]`` and the E CTAs at ``skip``, and an M walk of no chunk gives M = 0 (a head whose start
-    state comes from its warm-up window; an empty sequence's M is the identity). Both kinds of work item share one wave and one item order.
+    start at ``skip_m [N, HV]`` and the E CTAs at ``skip``, and an M walk that skips every chunk of a non-empty
+    sequence gives M = 0 (a head whose start state comes from its warm-up window; an empty sequence's M is the
+    identity). Both kinds of work item share one wave and one item order.
     Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
@@ -183,6 +184,18 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             for i, j in T.Parallel(BV, BT):
                 o_f[i, j] = o_f[i, j] * dq_s[pb, j]
             T.wgmma_gemm(vdb_f, pg_s[pb, :, :], o_f, transpose_B=True)        # O^T += Vd^T Pg^T
+
+    @T.macro
+    def zero_v_tiles(v_s):
+        # zero values: every slot's v tile is zero for the whole walk (the first arrival on full publishes it; the
+        # prep warpgroup's ragged-row zeroing keeps it zero)
+        for s_, i, j in T.Parallel(NS, BT, BV):
+            v_s[s_, i, j] = T.cast(0, dtype)
+        T.fence_proxy_async()
+
+    @T.macro
+    def load_v(v, v_s, full, st, t0, i_hv, v0):
+        T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
 
     @T.macro
     def save_start(s_f, starts, p, i_hv, v0):
@@ -542,16 +555,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     if tx < 288:
                         # load warp: v and A once the slot's v/A part is free, q and k once all of it is
                         if zero_v:
-                            # zero values: every slot's v tile is zero for the whole walk (the first arrival on
-                            # full publishes it; the prep warpgroup's ragged-row zeroing keeps it zero)
-                            for s_, i, j in T.Parallel(NS, BT, BV):
-                                v_s[s_, i, j] = T.cast(0, dtype)
-                            T.fence_proxy_async()
+                            zero_v_tiles(v_s)
                         elif transitions:
-                            if is_m:            # an M slice: zero values, as zero_v
-                                for s_, i, j in T.Parallel(NS, BT, BV):
-                                    v_s[s_, i, j] = T.cast(0, dtype)
-                                T.fence_proxy_async()
+                            if is_m:            # an M slice: zero values
+                                zero_v_tiles(v_s)
                         for c in T.serial(NT):
                             st = c % NS
                             t0 = bos + c * BT
@@ -559,10 +566,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                             mark(c, "l.empty")
                             if transitions:
                                 if i_v >= NK:       # an E slice
-                                    T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :],
-                                               barrier=full[st])
+                                    load_v(v, v_s, full, st, t0, i_hv, v0)
                             elif not zero_v:
-                                T.tma_copy(v[0, t0:t0 + BT, i_hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                                load_v(v, v_s, full, st, t0, i_hv, v0)
                             T.tma_copy(A[0, t0:t0 + BT, i_hv, 0:BT], a_s[st, :, :], barrier=full[st])
                             T.barrier_wait(empty[st], ((c // NS) % 2) ^ 1)
                             mark(c, "l.qk_slot")
@@ -674,8 +680,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
-        `state_v_first`; with partition_starts the start states third; with transitions M third (o None). One launch of (N + 1) * HV * V / 64 CTAs;
-        no host synchronisation.
+        `state_v_first`; with partition_starts the start states third; with transitions M third (o None). One
+        launch of (N + 1) * HV * V / 64 CTAs ((N + 1) * HV * (K + V) / 64 with transitions); no host
+        synchronisation.
     """
     o, ht, third = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,

@@ -417,7 +417,7 @@ def _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, *, scale, chunk_si
              else torch.clamp(transition_skip.to(device=k.device, dtype=torch.long), min=0))
     walks = ((first < nt) | (nt == 0))[:, :, None, None]                                               # [N, HV]
     eye = torch.eye(K, dtype=E.dtype, device=k.device)
-    start = torch.where(walks, eye, eye.new_zeros(()))                                                 # [N, HV, K, K]
+    start = torch.where(walks, eye, eye.new_zeros(())).expand(N, HV, K, K).contiguous()   # walks: [N, 1] without skip
     _, M = chunk_fwd(q, k, v.new_empty(1, v.shape[1], HV, K), g_cumsum, beta, A, start, cu_seqlens,
                      chunk_skip=transition_skip, zero_values=True, **kw)
     return None, E, M

@@ -148,10 +148,12 @@ def chunk_indices_of(cu_host: Tensor, chunk_size: int) -> Tensor:
     return torch.stack([seq, torch.arange(seq.shape[0]) - first], 1)
 
 
-def _check_chunk_indices(chunk_indices, cu: Tensor, cu_host: Optional[Tensor], chunk_size: int) -> None:
+def _check_chunk_indices(chunk_indices, cu: Tensor, cu_host: Optional[Tensor], chunk_size: int,
+                         read_values: bool) -> None:
     """chunk_indices must be the chunk list of cu_seqlens at `chunk_size` (flashdelta derives its own chunking, so
     this only catches a caller's stale or mismatched tensor). Its row count is checked whenever cu_seqlens' host
-    values are known; its values with one read of it (cached like cu_seqlens') where it can be read."""
+    values are known; its values, with `read_values`, by one read of it (cached like cu_seqlens') where it can be
+    read."""
     ci = _tensor("chunk_indices", chunk_indices, 2)
     if ci.dtype not in _INDEX_DTYPES:
         raise TypeError(f"chunk_indices has dtype {ci.dtype}; expected torch.int32 or torch.int64")
@@ -166,7 +168,7 @@ def _check_chunk_indices(chunk_indices, cu: Tensor, cu_host: Optional[Tensor], c
     if ci.shape[0] != want.shape[0]:
         raise ValueError(f"chunk_indices has {ci.shape[0]} rows, but cu_seqlens has NT={want.shape[0]} chunks of "
                          f"chunk_size={chunk_size} tokens; pass the chunk_indices of this cu_seqlens (or None)")
-    if not _can_read_values(ci):
+    if not read_values or not _can_read_values(ci):
         return
 
     def check(host: Tensor) -> None:
@@ -242,8 +244,10 @@ def chunk_gated_delta_rule(
             against the device tensor, which would cost the copy it saves).
         chunk_indices: FLA's ``[NT, 2]`` int32/int64 ``(sequence, chunk within the sequence)`` rows of cu_seqlens
             at ``chunk_size``, on cu_seqlens' device. Not needed: flashdelta derives its chunking on the device. When
-            given, it is checked against cu_seqlens (its row count from cu_seqlens' host values; its values with one
-            read of it, cached like cu_seqlens'), so a stale one raises ValueError instead of passing silently.
+            given, it is checked against cu_seqlens (its row count from cu_seqlens' host values; without
+            cu_seqlens_cpu also its values, with one read of it, cached like cu_seqlens'), so a stale one raises
+            ValueError instead of passing silently. With cu_seqlens_cpu its values are not read (that would cost
+            the device-to-host copy the host copy saves); flashdelta does not use them.
         cp_context: FLA's context-parallel context (``FLACPContext``). Not taken here (this function's
             cu_seqlens and state rows are one process's): anything but None raises `UnsupportedError`; context
             parallelism across GPUs is `flashdelta.distributed.chunk_gated_delta_rule_cp(..., cp_context=)`.
@@ -307,8 +311,8 @@ def chunk_gated_delta_rule(
 
     if cu_seqlens is not None:
         cu_host = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
-        if chunk_indices is not None:
-            _check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size)
+        if chunk_indices is not None:   # a caller who passes the host copy pays no device read for this either
+            _check_chunk_indices(chunk_indices, cu_seqlens, cu_host, chunk_size, read_values=cu_seqlens_cpu is None)
     elif cu_seqlens_cpu is not None:
         raise ValueError("cu_seqlens_cpu is given without cu_seqlens; pass both (cu_seqlens_cpu is its host copy)")
     elif chunk_indices is not None:

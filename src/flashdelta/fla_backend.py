@@ -51,7 +51,8 @@ def verify(*args, **kwargs) -> tuple[bool, str | None]:
     except TypeError as error:
         return False, f"flashdelta does not take these arguments ({error})"
     if a.get("cp_context") is not None:
-        return False, "flashdelta does not support cp_context (context parallelism across GPUs)"
+        return False, ("flashdelta's chunk_gated_delta_rule does not take cp_context (context parallelism across "
+                       "GPUs runs through flashdelta.distributed.chunk_gated_delta_rule_cp)")
     if "head_first" in a:
         return False, "head_first was removed from FLA; FLA's function raises its error"
     chunk_size = a.get("chunk_size", 64)
@@ -62,7 +63,9 @@ def verify(*args, **kwargs) -> tuple[bool, str | None]:
         return False, "q, k, v must be 4-D tensors"
     if not q.dtype == k.dtype == v.dtype:
         return False, f"flashdelta needs one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
-    grads = [a.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")]
+    # A_log and dt_bias take part (and need gradients) only with the in-kernel gate; without it they are ignored
+    grads = [a.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state")
+             + (("A_log", "dt_bias") if a.get("use_gate_in_kernel") else ())]
     need_bwd = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in grads)
     device = q.device
     if dispatch.native_backend(device) is None and dispatch.requested_backend() == "auto":

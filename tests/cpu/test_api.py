@@ -307,6 +307,29 @@ def test_cu_seqlens_cpu_avoids_the_device_to_host_copy(monkeypatch):
     assert len(_HostReads.reads) == 1
 
 
+def test_cu_seqlens_cpu_avoids_reading_chunk_indices(monkeypatch):
+    """FLA's callers pass chunk_indices beside cu_seqlens_cpu (every call of an inference loop): with the host copy
+    only its row count is checked, so no call reads it; without it, its values are read once per tensor."""
+    from flashdelta.api import chunk_indices_of
+
+    _no_backend(monkeypatch)
+    x = _good(T=8)
+    host = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu = host.clone().as_subclass(_HostReads)
+    _HostReads.reads = []
+    with torch.inference_mode():
+        ci = chunk_indices_of(host, 64).as_subclass(_HostReads)
+        for _ in range(3):
+            chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=host, chunk_indices=ci)
+    assert _HostReads.reads == []
+    with pytest.raises(ValueError, match=r"chunk_indices has 1 rows, but cu_seqlens has NT=2 chunks"):
+        chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=host, chunk_indices=ci[:1])
+    ci = chunk_indices_of(host, 64).as_subclass(_HostReads)
+    for _ in range(2):
+        chunk_gated_delta_rule(**x, cu_seqlens=cu, chunk_indices=ci)
+    assert _HostReads.reads.count("cpu") == 2      # cu_seqlens once, chunk_indices once (then cached)
+
+
 BAD_CU_SECLENS_CPU = [
     ("not-tensor", [0, 3, 8], TypeError, r"cu_seqlens_cpu must be a torch.Tensor"),
     ("float", torch.tensor([0.0, 3.0, 8.0]), TypeError, r"cu_seqlens_cpu has dtype torch.float32"),

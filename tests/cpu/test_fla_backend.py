@@ -1,8 +1,9 @@
 """flashdelta registered in FLA's backend registry (`flashdelta.fla_backend`): FLA's own chunk_gated_delta_rule runs
 on flashdelta, and the verifier says no, with a reason, to every call flashdelta would not run in full.
 
-Needs FLA 0.6.0 (fla-core, which imports Triton); skipped without it (the CI tier does not install FLA). Without FLA,
-flashdelta itself still imports and runs (test_fla_api.py checks that).
+Needs FLA 0.6.0 (fla-core, which imports Triton); skipped without it, as in the README's test command. `.ci/run` runs
+this file again in a venv that adds FLA and Triton. Without FLA, flashdelta itself still imports and runs
+(test_fla_api.py checks that).
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def test_verifier_on_a_hopper_gpu(monkeypatch):
     A_log = torch.zeros(4, requires_grad=True)                      # a gradient to A_log needs the backward too
     ok, _ = fla_backend.verify(**x, use_gate_in_kernel=True, A_log=A_log)
     assert not ok
+    assert fla_backend.verify(**x, A_log=A_log) == (True, None)     # ignored without the in-kernel gate (as FLA)
 
 
 def test_verifier_honours_a_forced_backend(monkeypatch):

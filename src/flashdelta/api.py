@@ -280,7 +280,8 @@ def chunk_gated_delta_rule(
             lacks one, the serial path runs. The warm-up follows the ``FLASHDELTA_CP_WARMUP`` environment variable:
             ``auto`` (default: on for bf16 / fp16 q where the cost model predicts it faster; fp32 and float64 stay
             exact), ``0`` (off: exact), ``1`` (on at -10 for any dtype), or a negative number (on, with that summed
-            log decay as the threshold).
+            log decay as the threshold); another value of either variable raises ValueError at the call, whether
+            CP runs or not.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state fp32 or None.
@@ -298,6 +299,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
     chunk_size = int(chunk_size)
     cp_request = cp.parse_request(context_parallel)
+    cp.parse_warmup(None)   # a bad FLASHDELTA_CP_WARMUP raises here, before any kernel runs, with CP off as well
     q, k, v, g, beta, B, T, H, K, HV, V = _check_qkv_g_beta(q, k, v, g, beta)
     _check_devices(q, k, v, g, beta, initial_state)
     scale = _check_scale(scale, K)

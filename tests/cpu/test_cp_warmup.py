@@ -14,8 +14,8 @@ docs/algorithm.md §4.4, on the portable backend, on the CPU.
   >= 0.3), warm-up on vs exact CP vs serial;
 - through the public API: warm-up on equals the reference warm-up driver (float64, 1e-12) and stays within the bound
   of serial; a never-decaying head falls back and stays exact to fp32 rounding;
-- the request (argument of `make_plan`, FLASHDELTA_CP_WARMUP, the dtype rule of ``auto``) and the cost model with the
-  warm-up (expected and worst case).
+- the request (argument of `make_plan`, FLASHDELTA_CP_WARMUP, the dtype rule of ``auto``; a bad variable raises at
+  the call, before any kernel, with CP off too) and the cost model with the warm-up (expected and worst case).
 
 The backward's warm-up of the end gradients (`flashdelta.cp.grad_windows`):
 
@@ -361,6 +361,22 @@ def test_warmup_request(monkeypatch):
     assert cp._threshold(small._replace(warmup="on"), q, 8, 128, 128) == cp.WARMUP_THRESHOLD
     assert cp._threshold(big._replace(warmup=-16.0), q.float(), 8, 128, 128) == -16.0
     assert cp._threshold(big._replace(warmup="off"), q, 8, 128, 128) is None
+
+
+@pytest.mark.parametrize("cpv", [False, None, True, 3], ids=["off", "auto", "on", "L3"])
+def test_bad_warmup_variable_raises_at_the_call(cpv, monkeypatch):
+    """A bad FLASHDELTA_CP_WARMUP raises ValueError naming it at the call, before any kernel runs, whatever
+    ``context_parallel`` says: with CP off and under ``auto`` on the CPU (serial) too, where no plan reads it."""
+    from flashdelta import api
+
+    x = make_inputs(Case("bad_env", (300,), H=1, HV=2, K=8, V=8), dtype=torch.float32)
+    ran = []
+    monkeypatch.setattr(api, "forward", lambda *a: ran.append(a))
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.setenv(cp.ENV_WARMUP, "sometimes")
+    with pytest.raises(ValueError, match=cp.ENV_WARMUP):
+        chunk_gated_delta_rule(**x, context_parallel=cpv)
+    assert ran == [], "nothing ran before the check"
 
 
 def test_cost_model_with_the_warmup():

@@ -107,7 +107,7 @@ def parse_request(context_parallel) -> object:
             return "off"
         if raw in ("1", "on", "true"):
             return "on"
-        if raw.isdigit() and 2 <= int(raw) < _BWD:
+        if raw.isascii() and raw.isdigit() and 2 <= int(raw) < _BWD:  # isdigit() alone takes "²" (int() raises)
             return int(raw)
         raise ValueError(f"{ENV_CP}={raw!r}: expected auto, 0 (off), 1 (on) or a partition length in chunks >= 2")
     if isinstance(context_parallel, bool):

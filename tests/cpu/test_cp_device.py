@@ -9,7 +9,8 @@
   `scan_grads`; every gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the
   API cases above with dht present and absent (an unused final state's gradient is materialised as zeros), the
   backward really split;
-- the request parsing (argument, FLASHDELTA_CP) and the cost models' decisions (forward and backward apart).
+- the request parsing (argument, FLASHDELTA_CP, bad values of either), ``on`` (True or FLASHDELTA_CP=1) splitting
+  both passes on the portable path, and the cost models' decisions (forward and backward apart).
 """
 from __future__ import annotations
 
@@ -296,13 +297,21 @@ def test_request_parsing(monkeypatch):
         monkeypatch.setenv(cp.ENV_CP, raw)
         assert cp.parse_request(None) == want
     assert cp.parse_request(False) == "off"                    # the argument wins over the variable
-    monkeypatch.setenv(cp.ENV_CP, "sometimes")
-    with pytest.raises(ValueError, match=cp.ENV_CP):
-        cp.parse_request(None)
+    # a partition length in the variable: ASCII digits (isdigit() alone takes "²", which int() rejects), >= 2 (1 is
+    # on), below the code's bound
+    for bad in ("sometimes", "²", "-2", str(1 << 24)):
+        monkeypatch.setenv(cp.ENV_CP, bad)
+        with pytest.raises(ValueError, match=cp.ENV_CP):
+            cp.parse_request(None)
+    assert cp.parse_request(False) == "off" and cp.parse_request((1 << 24) - 1) == (1 << 24) - 1
     with pytest.raises(ValueError, match="context_parallel"):
         cp.parse_request(0)
+    with pytest.raises(ValueError, match="context_parallel"):
+        cp.parse_request(1 << 24)
     with pytest.raises(TypeError, match="context_parallel"):
         cp.parse_request(2.0)
+    with pytest.raises(TypeError, match="context_parallel"):
+        cp.parse_request("auto")                              # the variable's word, not the argument's
     monkeypatch.delenv(cp.ENV_CP)
     x = make_inputs(Case("bad", (64,), H=1, HV=1, K=8, V=8), dtype=torch.float32)
     with pytest.raises(ValueError, match="context_parallel"):
@@ -323,6 +332,31 @@ def test_env_turns_cp_on(monkeypatch):
     monkeypatch.setenv(cp.ENV_CP, "auto")                      # auto on the CPU: serial
     _api(x)
     assert calls == [2]
+
+
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_on_splits_on_the_portable_path(how, monkeypatch):
+    """``context_parallel=True`` and ``FLASHDELTA_CP=1`` split both passes wherever CP runs, the portable path
+    included (``auto`` splits only on a native backend), at the lengths the cost models pick when forced
+    (`cp.auto_lengths(force=True)`), and every gradient equals CP off's to fp32 rounding."""
+    case = Case("on", (1100, 300), H=1, HV=2, K=8, V=8)
+    x = make_inputs(case, dtype=torch.float32)
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
+    ref = _grads(x, False, True)
+    fwd, bwd = [], []
+    real_f, real_b = cp.cp_chunk_fwd, cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: fwd.append(kw["plan"].L) or real_f(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or real_b(*a, **kw))
+    if how == "variable":
+        monkeypatch.setenv(cp.ENV_CP, "1")
+    got = _grads(x, True if how == "argument" else None, True)
+    want = cp.auto_lengths(T=x["q"].shape[1], N=2, HV=2, K=8, V=8, sms=132, lengths=list(case.seqlens), force=True,
+                           warmup=False)
+    assert min(want) > 0 and (fwd, bwd) == ([want[0]], [want[1]]), (fwd, bwd, want)
+    names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES)
+    for name, a, b in zip(names, got, ref):
+        assert_close(name, a, b, tol=2e-6)
 
 
 def test_makespan_is_longest_first_list_scheduling():

@@ -169,14 +169,20 @@ class FlashDelta(Provider):
                        output_final_state=True, cu_seqlens=inp.cu, cu_seqlens_cpu=inp.cu_host)
 
     def cp_partitions(self, inp: Inputs, train: bool) -> Optional[int]:
-        """The most partitions of one sequence that flashdelta's automatic context parallelism cuts (1: serial),
-        by the same cost model the call consults (`flashdelta.cp`), for the forward or, with `train`, the
-        backward."""
+        """The most partitions of one sequence that flashdelta's context parallelism cuts (1: serial), for the
+        forward or, with `train`, the backward, as the call decides it from ``FLASHDELTA_CP`` (`cp.parse_request`):
+        off, a partition length, or the cost models the call consults (`cp.auto_lengths`; forced under ``on``)."""
         from flashdelta import cp
 
-        T, HV, K, V = inp.q.shape[1], inp.v.shape[2], inp.k.shape[3], inp.v.shape[3]
-        L = cp.auto_lengths(T=T, N=len(inp.seqlens), HV=HV, K=K, V=V, sms=cp.num_sms(inp.q.device),
-                            lengths=list(inp.seqlens))[1 if train else 0]
+        request = cp.parse_request(None)
+        if request == "off":
+            return 1
+        if isinstance(request, int):
+            L = request
+        else:
+            T, HV, K, V = inp.q.shape[1], inp.v.shape[2], inp.k.shape[3], inp.v.shape[3]
+            L = cp.auto_lengths(T=T, N=len(inp.seqlens), HV=HV, K=K, V=V, sms=cp.num_sms(inp.q.device),
+                                lengths=list(inp.seqlens), force=request == "on")[1 if train else 0]
         return max(1, -(-max(inp.seqlens, default=0) // (64 * L))) if L else 1
 
 

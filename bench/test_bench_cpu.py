@@ -79,6 +79,37 @@ def test_quantile():
     assert math.isclose(timing.quantile(xs, 0.2), 1.8)
 
 
+def test_fit_cp_rows_are_the_models_schedule():
+    """bench/dev/fit_cp.py fits the CP cost model's launch constants to rows from the shipped model's own list
+    schedule (`cp_model._launch_terms`): on ragged mixes of partition lengths a row times the constants is the
+    model's prediction (`_pass_us`, `_bwd_pass_us`), and fitting the predictions gives the constants back."""
+    import random
+
+    import fit_cp  # (bench/dev)
+    from flashdelta import cp_model as m
+
+    rng = random.Random(0)
+    mixes = [fit_cp._items(shapes.parse_seqlens(s), L) for s, L in (
+        ("1x32768", 0), ("1x32768", 32), ("6413+6673+10954+8728", 128), ("3464+499+3508+1557+7636+2893+3338+9873", 24),
+        ("166+182+7147+697", 12), ("15837+16931", 64))]
+    mixes += [[(rng.randint(1, 256), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))] for _ in range(40)]
+    fwd = (m.LAUNCH_US, m.CHUNK_US_IDLE, m.CHUNK_US_FULL, m.ITEM_US)
+    bwd = (m.BWD_LAUNCH_US, m.BWD_CHUNK_US, m.BWD_ITEM_US)
+    rows, ys, brows, bys = [], [], [], []
+    for items in mixes:
+        for hv in (2, 8, 32):
+            x = [(ch, n * hv * 2) for ch, n in items]          # (value head, 64-column V slice) CTAs
+            rows.append(fit_cp._pass_row(x, 132))
+            ys.append(m._pass_us(x, 132))
+            assert sum(a * b for a, b in zip(rows[-1], fwd)) == pytest.approx(ys[-1], rel=1e-12), x
+            xb = [(ch, n * hv) for ch, n in items]
+            brows.append(fit_cp._bwd_pass_row(xb, 132))
+            bys.append(m._bwd_pass_us(xb, 132))
+            assert sum(a * b for a, b in zip(brows[-1], bwd)) == pytest.approx(bys[-1], rel=1e-12), xb
+    assert fit_cp._lstsq(rows, ys) == pytest.approx(fwd, rel=1e-6)
+    assert fit_cp._lstsq(brows, bys) == pytest.approx(bwd, rel=1e-6)
+
+
 def test_full_size_verdicts():
     import torch
 

@@ -10,10 +10,11 @@ Times, with CUDA-graph replay on the benchmark's inputs (bench/providers.py, bf1
   `context_parallel=L` (the warm-up as `auto` decides at that L) and with the warm-up off
   (``FLASHDELTA_CP_WARMUP=0``: the exact path), and with the automatic choice (cu_seqlens_cpu given);
 - a least-squares fit of `CHUNK_US_IDLE`, `CHUNK_US_FULL`, `ITEM_US`, `LAUNCH_US` to the fused passes (the model of
-  `cp_model._pass_us` is linear in them), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` / `SCAN_TFLOPS` to
-  the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's, `SUMMARY_CHUNK_FACTOR` to the
-  states-only passes over the full ones and `WARMUP_US` to the decision (the mean over the rows; the measured
-  fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
+  `cp_model._pass_us` is linear in them on a given schedule: each row is the slot that finishes last in the model's
+  own list schedule at the shipped constants, `_pass_row`), of `SCAN_STEP_US` to the serial scans, `SCAN_LEVEL_US` /
+  `SCAN_TFLOPS` to the log-depth ones, `SCAN_KERNEL_US` / `SCAN_KERNEL_STEP_US` to the scan kernel's,
+  `SUMMARY_CHUNK_FACTOR` to the states-only passes over the full ones and `WARMUP_US` to the decision (the mean over
+  the rows; the measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best: for each case the API time of CP off, of every L, the best, what the model picks with
   the shipped and with the fitted constants, and the chosen / best ratio; and the CUDA kernels one CP forward
   launches (torch.profiler) for the first case of each head config.
@@ -29,9 +30,10 @@ given, fp32 beta):
   choice, and through the forward op with the forward's automatic L and the backward at each L (`cp.encode`), the
   warm-up as `auto` decides, off (``FLASHDELTA_CP_WARMUP=0``) and on (``=1``, both passes);
 - a least-squares fit of `BWD_LAUNCH_US`, `BWD_CHUNK_US`, `BWD_ITEM_US` to the chunk_bwd passes (the model of
-  `cp_model._bwd_pass_us`), `RECOMPUTE_FACTOR` (state_recompute over the forward pass model), `START_GRAD_FACTOR`
-  (chunk_dstate over chunk_bwd on the same partitions) and `WARMUP_BWD_US` (the backward's windows, the mean over the
-  rows; the measured fallback share and window length print beside `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
+  `cp_model._bwd_pass_us`, rows as in the forward: `_bwd_pass_row`), `RECOMPUTE_FACTOR` (state_recompute over the
+  forward pass model), `START_GRAD_FACTOR` (chunk_dstate over chunk_bwd on the same partitions) and `WARMUP_BWD_US`
+  (the backward's windows, the mean over the rows; the measured fallback share and window length print beside
+  `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
   picks with the shipped constants as `cp.decide` asks (without saved starts) and with the fitted constants and
   ``starts_saved`` where the forward stays serial) and `cp.predict_bwd`'s prediction (``starts_saved`` likewise)
@@ -88,30 +90,23 @@ def _items(seqlens, L):
 
 def _pass_row(items, sms):
     """The coefficients of (LAUNCH_US, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US) in `cp_model._pass_us` for these items:
-    `launch + w * (longest_chunks * (ci (1 - occ) + cf occ) + o)`, w the wave count at the fitted constants."""
+    ``launch + chunks (ci (1 - occ) + cf occ) + n o``, the chunks and the n items of the slot that finishes last in
+    the model's list schedule at the shipped constants (`cp_model._launch_terms`): the row times the constants is
+    the model's prediction."""
     from flashdelta import cp_model as cp
 
-    n = sum(c for _, c in items)
-    occ = min(1.0, n / sms)
-    c = cp.CHUNK_US_IDLE + (cp.CHUNK_US_FULL - cp.CHUNK_US_IDLE) * occ
-    longest_ch = max(ch for ch, _ in items)
-    longest = longest_ch * c + cp.ITEM_US
-    work = sum(cnt * (ch * c + cp.ITEM_US) for ch, cnt in items)
-    w = math.ceil(work / (sms * longest) - 1e-9)
-    return [1.0, w * longest_ch * (1 - occ), w * longest_ch * occ, w]
+    occ, chunks, n = cp._launch_terms(items, sms, cp.CHUNK_US_IDLE, cp.CHUNK_US_FULL, cp.ITEM_US)
+    return [1.0, chunks * (1 - occ), chunks * occ, n]
 
 
 def _bwd_pass_row(items, sms):
     """The coefficients of (BWD_LAUNCH_US, BWD_CHUNK_US, BWD_ITEM_US) in `cp_model._bwd_pass_us` for these items:
-    `launch + w * (longest_chunks * c + o)`, w the wave count at the shipped constants."""
+    ``launch + chunks c + n o`` on the slot that finishes last in the model's schedule at the shipped constants."""
     from flashdelta import cp_model as cp
 
-    slots = sms * cp.BWD_CTAS_PER_SM
-    longest_ch = max(ch for ch, cnt in items if cnt)
-    longest = longest_ch * cp.BWD_CHUNK_US + cp.BWD_ITEM_US
-    work = sum(cnt * (ch * cp.BWD_CHUNK_US + cp.BWD_ITEM_US) for ch, cnt in items)
-    w = math.ceil(work / (slots * longest) - 1e-9)
-    return [1.0, w * longest_ch, w]
+    _, chunks, n = cp._launch_terms(items, sms * cp.BWD_CTAS_PER_SM, cp.BWD_CHUNK_US, cp.BWD_CHUNK_US,
+                                    cp.BWD_ITEM_US)
+    return [1.0, chunks, n]
 
 
 def _start_models(seqlens, HV, L, sms):
@@ -350,7 +345,7 @@ def main():
         fit.update(SUMMARY_CHUNK_FACTOR=sum(summary_ratio) / len(summary_ratio))
     if windows_us:
         fit.update(WARMUP_US=sum(windows_us) / len(windows_us))
-    print("\nfitted constants (paste into src/flashdelta/cp.py):")
+    print("\nfitted constants (paste into src/flashdelta/cp_model.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
 
@@ -530,7 +525,7 @@ def bwd_main(args):
         fit.update(START_GRAD_FACTOR=sum(dstate_y) / sum(dstate_bwd))
     if grad_windows_us:
         fit.update(WARMUP_BWD_US=sum(grad_windows_us) / len(grad_windows_us))
-    print("\nfitted constants (paste into src/flashdelta/cp.py):")
+    print("\nfitted constants (paste into src/flashdelta/cp_model.py):")
     for n, x in fit.items():
         print(f"  {n} = {x:.4g}")
     _chosen_vs_best(cp_model, fit, table, "fb", lambda r: cp.choose_bwd(**r["kwb"]), off_over_auto=True)

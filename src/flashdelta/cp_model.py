@@ -2,8 +2,11 @@
 backward and of their CP passes, the partition length each pass picks (`choose`, `choose_bwd`), and the warm-up
 request the model and the plan share (`parse_warmup`, `warmup_threshold`).
 
-The constants are microseconds on an H200 (132 SMs, bf16, K = V = 128), fitted by ``bench/dev/fit_cp.py`` (the
-forward's launch, chunk, item and scan constants; ``--bwd`` the backward's). `flashdelta.cp` re-exports every public
+The constants are microseconds on an H200 (132 SMs, bf16, K = V = 128). ``bench/dev/fit_cp.py`` fitted the
+forward's launch, chunk and item constants, `SUMMARY_CHUNK_FACTOR` and `WARMUP_US`, and with ``--bwd`` the
+backward's chunk_bwd constants, `RECOMPUTE_FACTOR`, `START_GRAD_FACTOR` and `WARMUP_BWD_US` (each comment names its
+run); the scans' constants are predictions (the measured ones are beside them), `BWD_FIXED_US` a guess, and
+`WARMUP_FALLBACK` / `WARMUP_CHUNKS` properties of the benchmark's gates. `flashdelta.cp` re-exports every public
 name here; set a constant on this module (as fit_cp.py does) to change what the model predicts.
 """
 from __future__ import annotations
@@ -29,11 +32,18 @@ WARMUP_DTYPES = (torch.bfloat16, torch.float16)
 
 # ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
 # them. The fused forward takes `items x (chunks x c + o)` on the busiest SM; the values are bench/dev/fit_cp.py's
-# least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128).
+# least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128:
+# bench/results/h200/2026-12-01_7675643_fit_cp_fwd_torch_scan.txt, on the wave model the list schedule replaced,
+# which leaves the forward grid's choices as they were).
 CHUNK_US_FULL = 1.45            # per chunk and CTA, every SM busy
 CHUNK_US_IDLE = 1.29            # per chunk and CTA, few CTAs (higher clock)
 ITEM_US = 5.2                   # per CTA: start, pipeline fill, drain
 LAUNCH_US = 5.2                 # per fused launch, fixed
+# The scans' constants are the predictions written before they ran. The scan kernel measured 13.56 us + 3.333 us a
+# step (2/8 and 4/16 1x32768, L = 32 and 64: bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt; ~3.3 a step
+# since); those values move 18 of the benchmark grids' 144 rows (forward and backward) to partition lengths no run
+# has timed, so these stay until a run times both. The torch scans (where the kernel does not take (K, V)) measured
+# 17-31 us a step (..._6e8f4d3_fit_cp_fwd.txt, ..._7675643_fit_cp_fwd_torch_scan.txt).
 SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a batched GEMM, few launches)
 SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
 SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
@@ -55,9 +65,10 @@ WARMUP_CHUNKS = 4
 # against the torch windows' 148-202; bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt). There 4/16 1x32768
 # ran 515 us with the warm-up at L = 32 against 619 exact at L = 128 and 748 serial.
 WARMUP_US = 33.4
-# the backward's windows (`cp.grad_windows`: ~28 small kernels, the validity masks of a ragged last partition
-# included) and the zeroing of the warm-up heads' M, at ~1.4 us a small kernel in a CUDA graph (a prediction;
-# fit_cp.py --bwd times them: 40.05 on the H200)
+# the backward warm-up's cost beyond its shortened F pass: its decision (`cp.grad_windows`, one launch of
+# `kernels.cp_windows` on the SM90 path) and the zeroing of the warm-up heads' M. The kernel measured 40.05 us on
+# average over the 16/32 backward rows (bench/results/h200/2026-12-03_03173fe_fit_cp_bwd.txt; 31.45 over the 6e0ab3e
+# run's rows)
 WARMUP_BWD_US = 40.0
 # split only where `cp_worst` is at most this x the serial time: where no gate decays at all (no model's gates) a
 # split may lose up to 5%, so that rows where only the warm-up makes CP pay (4/16 1x32768) are split
@@ -117,6 +128,37 @@ def _makespan(jobs: tuple, slots: int) -> float:
             t = sorted(t[k:] + [x + d for x in t[:k]])        # two sorted runs: a linear merge
             cnt -= k
     return t[-1] if t else 0.0
+
+
+def _critical_slot(jobs: tuple, slots: int) -> tuple:
+    """(chunks, items) run by the slot that finishes last in `_makespan`'s schedule of `jobs` = ((duration, chunks,
+    count), ...): the same schedule step for step, each slot's chunks and items carried beside its finish time (the
+    times, so the makespan, are `_makespan`'s bit for bit; slots that tie in time are interchangeable)."""
+    t = [(0.0, 0, 0)] * min(slots, sum(cnt for *_, cnt in jobs))
+    for d, ch, cnt in sorted(jobs, reverse=True):
+        while cnt:
+            j = bisect.bisect_left(t, (t[0][0] + d,))
+            if j == len(t) and cnt >= j:
+                rounds = cnt // j
+                t = [(x + rounds * d, c + rounds * ch, n + rounds) for x, c, n in t]
+                cnt -= rounds * j
+                continue
+            k = min(j, cnt)
+            t = sorted(t[k:] + [(x + d, c + ch, n + 1) for x, c, n in t[:k]])
+            cnt -= k
+    return t[-1][1:] if t else (0, 0)
+
+
+def _launch_terms(items: list, slots: int, idle: float, full: float, item: float) -> tuple:
+    """(occupancy, chunks, items) of `_launch_us`'s schedule at these constants: the launch takes ``launch + chunks x c
+    + items x item`` with ``c = idle + (full - idle) x occupancy`` (the chunks and items of the slot that finishes
+    last), linear in the constants for this schedule: the rows bench/dev/fit_cp.py fits them to."""
+    n = sum(c for _, c in items)
+    if n == 0:
+        return 0.0, 0, 0
+    occ = min(1.0, n / slots)
+    c = idle + (full - idle) * occ
+    return (occ,) + _critical_slot(tuple((ch * c + item, ch, cnt) for ch, cnt in items if cnt), slots)
 
 
 def _pass_us(items: list, sms: int) -> float:

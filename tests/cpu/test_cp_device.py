@@ -5,6 +5,7 @@
   `scan_states`;
 - CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
   with a never-decaying head, h0 present / absent, both state layouts, GVA; torch.compile(fullgraph=True) traces it;
+- the boundary states (M, E, start states, F, dS) stay fp32 on a bf16 call;
 - the CP backward: chunk_dstate over the partitions gives the reference's F, both reverse scans equal
   `scan_grads`; every gradient (dq, dk, dv, dg, dbeta, dh0) with CP on equals CP off to fp32 rounding, on the
   API cases above with dht present and absent (an unused final state's gradient is materialised as zeros), the
@@ -226,6 +227,45 @@ def test_cp_backward_equals_serial(case, L, use_ht, fwd_split, monkeypatch):
     names = ("o", "ht") + tuple("d" + n for n in GRAD_NAMES if x[n] is not None)
     for name, a, b in zip(names, got, ref):
         assert_close(name, a, b, tol=2e-6)
+
+
+@pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
+def test_boundary_states_are_fp32_on_a_bf16_call(fwd_split, monkeypatch):
+    """On a bf16 call (the portable path) every boundary state stays fp32 (FlashQLA keeps them in bf16): M, E, the
+    initial state and the start states in the forward's and the backward's scans, the serial forward's saved start
+    states, and F, dht and the end gradients dS in the reverse scan; o and the gradients come back in bf16."""
+    case, L = API_CASES[0]
+    x = make_inputs(case, dtype=torch.bfloat16)
+    seen = []
+    real_s, real_g, real_f = cp.scan_states, cp.scan_grads, cp._start_grads
+
+    def states(M, E, plan, h0, method=None):
+        out = real_s(M, E, plan, h0, method)
+        seen.append(("scan_states", M.dtype, E.dtype, h0.dtype, out.dtype))
+        return out
+
+    def grads(M, F, plan, dht, method=None):
+        out = real_g(M, F, plan, dht, method)
+        seen.append(("scan_grads", M.dtype, F.dtype, dht.dtype, out.dtype))
+        return out
+
+    def start_grads(*a, **kw):
+        out = real_f(*a, **kw)
+        seen.append(("F", out.dtype))
+        return out
+
+    monkeypatch.setattr(cp, "scan_states", states)
+    monkeypatch.setattr(cp, "scan_grads", grads)
+    monkeypatch.setattr(cp, "_start_grads", start_grads)
+    calls = [] if fwd_split else split_backward_only(monkeypatch)
+    got = _grads(x, L, True)
+    f32 = torch.float32
+    want = [("scan_states", f32, f32, f32, f32)] * (2 if fwd_split else 0) + [("F", f32)] + \
+        [("scan_grads", f32, f32, f32, f32)]
+    assert seen == want, seen
+    assert fwd_split or (len(calls) == 1 and calls[0][1].dtype == f32), "the saved start states"
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == f32
+    assert all(t.dtype == x[n].dtype for t, n in zip(got[2:], GRAD_NAMES))
 
 
 @pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])

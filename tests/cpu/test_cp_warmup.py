@@ -7,6 +7,8 @@ docs/algorithm.md §4.4, on the portable backend, on the CPU.
   nothing in either pass; the contraction condition (``0 <= beta ||k||^2 <= 2``) sends a partition's heads to the
   exact path where one token breaks it; padding garbage changes nothing; the windows trace on meta tensors (no
   device value read on the host: CUDA graphs capture them);
+- without a threshold (the exact path) the forward's windows walk every partition that is not its sequence's last
+  whole and nothing else, the backward's every one that is not its sequence's first;
 - `chunk_skip` in the portable chunk_fwd walks exactly the chunks from the skip on;
 - the summary passes with the windows and the scan give the reference's warm-up start states (float64, 1e-12);
 - at head dim 128 the truncation at every partition boundary is within the documented bound (exp(window log decay)
@@ -113,6 +115,33 @@ def test_windows_equal_the_reference(case, L, thr):
         assert bool(win.fallback[inner, 0].all()) and bool(warm.any())
     if case.name == "bench_dense":
         assert bool((win.n(L)[inner][:, 1:] > 1).all()) and bool((win.n(L)[inner][:, 1:] < L).all())
+
+
+@pytest.mark.parametrize("case,L,thr", WINDOW_CASES, ids=WINDOW_IDS)
+def test_exact_windows_walk_every_inner_partition(case, L, thr):
+    """Without a threshold (the exact path) every head falls back: the forward's M and E passes walk every chunk of
+    each partition that is not its sequence's last and nothing of the last ones and of the unused slots; the
+    backward's F pass every chunk of each partition that is not its sequence's first and nothing of the first ones
+    and of the unused slots. No gate is summed (suffix / prefix None)."""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len)
+    parts = rcp.partition(cu, L)
+    used = parts.P
+    inner = torch.zeros(plan.P, dtype=torch.bool)
+    inner[:used] = ~torch.as_tensor(parts.last, dtype=torch.bool)
+    cont = torch.zeros(plan.P, dtype=torch.bool)
+    cont[:used] = ~torch.as_tensor(parts.first, dtype=torch.bool)
+    assert bool(inner.any()) and bool(cont.any())
+    win = cp.windows(g_cumsum, k, beta, plan, None)
+    assert win.suffix is None and win.threshold is None
+    for skip in (win.skip_e, win.skip_m):
+        assert skip.dtype == torch.int32 and skip.shape == (plan.P, case.HV)
+        assert bool((skip[inner] == 0).all()) and bool((skip[~inner] == cp.SKIP_ALL).all())
+    assert torch.equal(win.fallback, inner[:, None].expand(plan.P, case.HV))
+    gw = cp.grad_windows(g_cumsum, k, beta, plan, None)
+    assert gw.prefix is None and gw.threshold is None and gw.take.dtype == torch.int32
+    assert bool((gw.take[cont] == cp.TAKE_ALL).all()) and bool((gw.take[~cont] == 0).all())
+    assert torch.equal(gw.fallback, cont[:, None].expand(plan.P, case.HV))
 
 
 # per pass: the window function, its fields compared, two partitions of the first sequence (the forward's inner ones,

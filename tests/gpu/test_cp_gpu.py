@@ -5,13 +5,14 @@ reference's partition and the plan kernel against the torch plan, the automatic 
 gate-driven warm-up: the fused forward's `chunk_skip` builds against the float64 twin, CP's summary builds against the full pass, the
 windows on the GPU against the reference's, warm-up on vs the exact path vs serial vs float64 on benchmark gates
 (4-chunk windows, a quarter of the heads exactly 0), and a graph with the warm-up replayed with new lengths.
-Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than
-the serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192, exact end
+Backward: every gradient with the backward split against float64 autograd of the recurrence (no less accurate than the
+serial backward) and against CP off; the automatic choice splitting the backward alone (16/32 1x8192, exact end
 gradients there: the warm-up would shorten no wave); one CUDA graph of forward + backward with CP replayed with new
-lengths. The backward's warm-up (`FLASHDELTA_CP_WARMUP=1`): chunk_dstate's `chunk_take` builds against the float64
-twin, the backward's windows on the GPU against the reference's, every gradient with it on vs the exact path vs serial
-vs float64 on benchmark gates, and one graph of forward + backward with it replayed with new lengths and gates. The
-windows kernel (`kernels.cp_windows`, both directions) against the torch windows, bit for bit, on edge cases.
+lengths, and one with the automatic decision taken under capture from cu_seqlens_cpu. The backward's warm-up
+(`FLASHDELTA_CP_WARMUP=1`): chunk_dstate's `chunk_take` builds against the float64 twin, the backward's windows on the
+GPU against the reference's, every gradient with it on vs the exact path vs serial vs float64 on benchmark gates, and
+one graph of forward + backward with it replayed with new lengths and gates. The windows kernel (`kernels.cp_windows`,
+both directions) against the torch windows, bit for bit, on edge cases.
 
 Builds: `builds()` lists every kernel these tests launch (CP's own, `cp.builds`, and the serial passes they are
 compared with, `flashdelta.precompile.variants`); compile them on the CPU machine with
@@ -41,7 +42,7 @@ def builds() -> list:
     """(label, builder, args) of every SM90 build this file launches, without duplicates."""
     todo = [(c, False) for c, _ in CASES] + [(c, True) for c, _ in BWD_CASES]
     todo += [(c, False) for c, _ in WARM_CASES] + [(SKIP_CASE, False), (WARM_GRAPH, False)]
-    todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True)]
+    todo += [(AUTO_FWD, False), (GRAPH, False), (AUTO_BWD, True), (BWD_GRAPH, True), (AUTO_GRAPH, True)]
     todo += [(c, True) for c in STARTS_CASES]
     todo += [(c, True) for c, _ in BWD_WARM_CASES] + [(TAKE_CASE, True), (BWD_WARM_GRAPH, True)]
     out = {}
@@ -738,6 +739,54 @@ def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, mon
         with torch.no_grad():
             x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
             x["g"].copy_(g)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu
+        for name, a, b in zip(("o",) + tuple(GRAD_NAMES[n] for n in GRAD_INPUTS), g_graph, step(False)):
+            assert_close(name, a, b, tol=2e-2)
+
+
+AUTO_GRAPH = Case("cp-auto-graph", (20000, 1, 12000), H=2, HV=8, K=128, V=128, pad=11)
+
+
+def test_auto_graph_from_host_lengths_replays_with_new_lengths(monkeypatch):
+    """``context_parallel=None`` with ``cu_seqlens_cpu`` under CUDA-graph capture: the automatic decision comes from
+    the host copy's lengths, no device value read (both passes split here, where lengths taken as equal would leave
+    the forward serial); forward and backward captured in one graph replay with new lengths (same N and T; the
+    plan's buffers are sized from T, N and the captured L, the host copy is not read again) and equal an eager step
+    with the captured decision, and CP off's to rounding."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.delenv(cp.ENV_CP, raising=False)
+    monkeypatch.delenv(cp.ENV_WARMUP, raising=False)
+    x = make_inputs(AUTO_GRAPH, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x["cu_seqlens_cpu"] = x["cu_seqlens"].cpu()
+    leaves = [x[n] for n in GRAD_INPUTS]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    codes, fwd, bwd = [], [], []
+    real_decide, real_f, real_b = cp.decide, cp.cp_chunk_fwd, cp.cp_chunk_bwd
+    monkeypatch.setattr(cp, "decide", lambda *a, **kw: codes.append(real_decide(*a, **kw)) or codes[-1])
+    monkeypatch.setattr(cp, "cp_chunk_fwd", lambda *a, **kw: fwd.append(kw["plan"].L) or real_f(*a, **kw))
+    monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or real_b(*a, **kw))
+
+    def step(cpv=None):
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=cpv)
+        return (o,) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+
+    graph, g_graph = _capture(step)                     # a call on the side stream, then the capture
+    kw = dict(T=x["q"].shape[1], N=len(AUTO_GRAPH.seqlens), HV=AUTO_GRAPH.HV, K=AUTO_GRAPH.K, V=AUTO_GRAPH.V,
+              sms=cp.num_sms(x["q"].device))
+    want = cp.auto_lengths(**kw, lengths=list(AUTO_GRAPH.seqlens))
+    assert min(want) > 0 and cp.auto_lengths(**kw)[0] == 0, "the host lengths decide"
+    assert codes == [cp.encode(*want)] * 2 and fwd == [want[0]] * 2 and bwd == [want[1]] * 2, (codes, fwd, bwd)
+    monkeypatch.setattr(cp, "decide", lambda *a, **kw: codes[0])    # the eager steps take the captured decision
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))
+    for cu in ([0, 10, 20000, 32001], [0, 0, 32001, 32001], [0, 16000, 16100, 31000]):   # same N and T
+        with torch.no_grad():
+            x["cu_seqlens"].copy_(torch.tensor(cu, dtype=torch.int32))
+        x["cu_seqlens_cpu"] = torch.tensor(cu, dtype=torch.int32)        # the eager steps' (the graph reads none)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(g_graph, step())), cu

@@ -19,9 +19,9 @@ forward and the backward's recompute); the backward computes their gradients exp
 
 The forward op's context_parallel argument is the code from `cp.decide`: both passes' partition lengths
 (`cp.encode`; 0: serial), or `cp.CP_AUTO` / `cp.CP_ON` (decided in each op from the concrete shapes). The backward
-op gets the same code through autograd's context and runs `cp.cp_chunk_bwd` (exact, docs/dev/cp.md) where the
-backward's part of it splits; the forward's part decides the forward alone (the two passes recompute their own
-partition states, so either may split without the other).
+op gets the same code through autograd's context and runs `cp.cp_chunk_bwd` (docs/dev/cp.md) where the backward's
+part of it splits; the forward's part decides the forward alone, so either pass may split without the other (a
+serial forward saves the start states of the backward's partitions, `chunk_fwd(partition_starts=...)`).
 """
 from __future__ import annotations
 

@@ -13,11 +13,13 @@ is provably harmless, §4.4), in four steps built on the stage launchers:
    with column j of v; K, g, beta, A are shared), so `chunk_fwd` over the partitions (each run as a sequence of its
    own) gives, with values v from a zero start, each partition's end state E_p as its final state, and with zero
    values from the identity ``I`` (``[P, HV, K, K]``, K-first), its transition M_p (``S -> M_p S``). These are the two
-   column blocks of one augmented run (values ``[0 | v]`` from ``[I | 0]`` ends in ``[M_p | E_p]``), launched
-   apart: the kernel splits V into 64-column CTAs anyway, so the CTA work is the same, no ``[0 | v]`` copy is made
-   and no build of value width K + V is needed. Their o is discarded. With the windows (`chunk_skip`, a start chunk
-   per (partition, head)) the E pass walks each warm-up head's window only and the M pass only the fallback heads;
-   a warm-up head's M is 0 and a sequence's last partition walks nothing (the scan reads no summary of it).
+   column blocks of one augmented run (values ``[0 | v]`` from ``[I | 0]`` ends in ``[M_p | E_p]``), run as separate
+   CTAs of one launch (`summaries`: ``chunk_fwd(states_only=True, transitions=True)``): the kernel splits V into
+   64-column CTAs anyway, so the CTA work is the same, no ``[0 | v]`` copy is made and no build of value width K + V
+   is needed; no o is computed. With the windows (a start chunk per (partition, head): `chunk_skip` for the E walks,
+   `transition_skip` for the M walks) the E walks cover each warm-up head's window only and the M walks only the
+   fallback heads; a warm-up head's M is 0 and a sequence's last partition walks nothing (the scan reads no summary
+   of it).
 3. **Scan** (fp32; float64 for float64 inputs): ``S_{p+1} = M_p S_p + E_p`` over each sequence's partitions, from
    the sequence's initial state (the TileLang scan kernel on SM90, else torch ops: serial or log-depth, whichever
    `scan_cost` predicts cheaper); on a warm-up head ``S_{p+1} = E_window``.
@@ -592,11 +594,12 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
 
     `backends`: the call's `dispatch.Plan`; every launch goes to its chunk_fwd launcher, which must run the value
     widths V and K (`supported`) and take `chunk_skip`. beta and the initial state as that launcher takes them.
-    States are fp32 (float64 for float64 q). `scan`: ``"serial"``, ``"log"`` or None (`scan_cost`'s choice).
-    `keys_normalized`: k is l2-normalised (the API's ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads
-    beta only (`windows`). Launches: the windows' small kernels (`windows`), three `chunk_fwd` (M over the fallback
-    heads, E over the windows, output), the zero values, the identity, the scan (`scan_serial`: J - 1 batched GEMMs
-    for one dense sequence; varlen: about four small kernels per step), the final-state gather.
+    States are fp32 (float64 for float64 q). `scan`: ``"kernel"``, ``"serial"``, ``"log"`` or None (the scan kernel
+    where `_kernel_scan` holds, else `scan_cost`'s choice). `keys_normalized`: k is l2-normalised (the API's
+    ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads beta only (`windows`). Launches: the windows (one
+    `kernels.cp_windows` launch on the SM90 path with the warm-up, else small torch kernels), two `chunk_fwd` (M and E
+    in one, `summaries`; the output pass), the scan (one `kernels.cp_scan` launch; the torch scans: J - 1 batched
+    GEMMs for one dense sequence, about four small kernels per step for varlen), the final-state gather.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
@@ -786,7 +789,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None)
     and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
     `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` as in `cp_chunk_fwd` (`grad_windows`). Steps:
-    (M, E) by two chunk_fwd launches (`summaries`) and the scan give every partition's start state; state_recompute
+    (M, E) by one chunk_fwd launch (`summaries`) and the scan give every partition's start state; state_recompute
     over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose
     F the reverse scan never reads; with the warm-up over each head's window, `grad_windows`, whose heads' M is then
     zeroed); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those gives the

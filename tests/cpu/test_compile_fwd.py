@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdelta import dispatch, precompile, stages  # noqa: E402
-from flashdelta.kernels import fused_fwd, l2norm, prepare, prepare_bwd, sm90  # noqa: E402
+from flashdelta.kernels import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, sm90  # noqa: E402
 
 SCALE = 128 ** -0.5
 
@@ -38,6 +38,12 @@ def test_variants_backward_adds_the_backward_builds():
     both = precompile.variants([(2, 8), (4, 8)], backward=True, context_parallel=False)
     assert both[:len(fwd)] == fwd
     assert both[-1:] == prepare_bwd.launcher_builds(8)        # one prepare_bwd build per HV
+    # chunk_bwd with and without the final state's gradient (dht is None where the loss does not use the final
+    # state), at GVA 4 and at GVA 2 (the build that adds the group itself), in warmup's default dtypes
+    want = {chunk_bwd.builder_args(H, 8, 128, 128, torch.bfloat16, torch.float32, SCALE, has_dht, False)
+            for H in (2, 4) for has_dht in (False, True)}
+    assert {a for _, b, a in both if b is chunk_bwd.build} == want
+    assert chunk_bwd.group_add(4, 8) and not chunk_bwd.group_add(2, 8)
 
 
 def test_warmup_compiles_the_variants():

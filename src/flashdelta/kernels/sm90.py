@@ -79,8 +79,9 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
                     state_v_first: tuple = (False,), qk_l2norm: bool = True, beta_act: int = 0) -> list:
     """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
     `KERNELS` in `stages.BACKWARD` that the forward does not run; its recompute of `prepare_fwd` takes the forward's
-    builds), options as in `forward_builds`; none for the state recompute and chunk_bwd where their head dims are not
-    supported (they run on the portable path). With beta_act they read the activated beta in fp32."""
+    builds), options as in `forward_builds`; chunk_bwd with and without the final state's gradient; none for the state
+    recompute and chunk_bwd where their head dims are not supported (they run on the portable path). With beta_act
+    they read the activated beta in fp32."""
     K, V = head_dim
     beta_dtype = stage_beta_dtype(beta_dtype, beta_act)
     out = []
@@ -88,8 +89,9 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
         if (K, V) in chunk_bwd.HEAD_DIMS:
             out += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, initial_state,
                                                     state_v_first)
-            # the final state's gradient is always a tensor here (autograd materialises an unused one as zeros)
-            out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (True,), state_v_first)
+            # with and without the final state's gradient: autograd passes None for it where the loss does not use
+            # the final state (`autograd._setup_context`: no materialised zeros), the usual training call
+            out += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, (False, True), state_v_first)
             out += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale)
         # dq and dk from chunk_bwd in q's dtype (summed per key head where it adds the group itself), from the
         # portable chunk_bwd in fp32

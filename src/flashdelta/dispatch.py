@@ -134,10 +134,10 @@ def plan(device: torch.device, K: int, V: int, dtype: torch.dtype, *, need_bwd: 
             raise UnsupportedError(f"{ENV_BACKEND}={forced}: backend {forced!r} has no {pass_} kernels yet for "
                                    f"stage(s) {', '.join(missing)}; unset {ENV_BACKEND} (auto) to run them on the "
                                    f"portable path")
-        for s in stages:
-            reason = kset.unsupported(K, V, dtype, s)
-            if reason:
-                raise UnsupportedError(f"{ENV_BACKEND}={forced}: {reason}")
+        # every stage that cannot run the shape, each with its reason, in one error
+        reasons = [r for r in (kset.unsupported(K, V, dtype, s) for s in stages) if r]
+        if reasons:
+            raise UnsupportedError(f"{ENV_BACKEND}={forced}: {'; '.join(reasons)}")
         return Plan({s: forced for s in stages}, forced, {})
     native = native_backend(device)
     if native is None:

@@ -10,7 +10,7 @@ import torch
 from _helpers import Case, make_inputs
 
 import flashdelta
-from flashdelta import UnsupportedError, chunk_gated_delta_rule, dispatch
+from flashdelta import UnsupportedError, chunk_gated_delta_rule, dispatch, stages
 from flashdelta.autograd import chunk_gdn_fwd
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
@@ -141,6 +141,22 @@ def test_forced_backend_errors(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_BACKEND, "torch")
     o, ht = chunk_gated_delta_rule(**x, output_final_state=True)
     assert o.shape == (1, 8, 4, 8) and ht.shape == (1, 4, 16, 8) and ht.dtype == torch.float32
+
+
+def test_forced_sm90_names_the_backward_stages_without_the_head_dims(monkeypatch):
+    """Forced sm90 (FLASHDELTA_ARCH stands in for the GPU) at head dims its forward has and its backward lacks
+    (K = 128, V = 256): a call that needs the backward raises naming each backward stage without them, and only
+    those; the forward alone plans every stage on sm90."""
+    pytest.importorskip("tilelang")
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "sm90")
+    monkeypatch.setenv(dispatch.ENV_ARCH, "sm_90a")
+    cuda = torch.device("cuda")
+    fwd = dispatch.plan(cuda, 128, 256, torch.bfloat16, need_bwd=False)
+    assert list(fwd.backends) == list(stages.FORWARD) and set(fwd.backends.values()) == {"sm90"}
+    with pytest.raises(UnsupportedError, match="V=256") as err:
+        dispatch.plan(cuda, 128, 256, torch.bfloat16, need_bwd=True)
+    named = [s for s in stages.STAGES if f"({s})" in str(err.value)]
+    assert named == ["state_recompute", "chunk_bwd", "chunk_dstate"], str(err.value)
 
 
 def test_dispatch_table_and_arch_override(monkeypatch):

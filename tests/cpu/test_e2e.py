@@ -99,6 +99,7 @@ def test_gradcheck_float64(case):
 def test_torch_compile_fullgraph_cpu():
     """Inductor, fullgraph, dynamic shapes: one graph serves two lengths, and matches eager (fwd + grads)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()    # reset() keeps them: the count below is this test's graphs alone
 
     def f(q, k, v, g, beta, h0):
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -118,6 +119,33 @@ def test_torch_compile_fullgraph_cpu():
         for gc, ge in zip(grads_c, grads_e):
             torch.testing.assert_close(gc, ge)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation for the new length
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint_gradients_equal_eager(use_reentrant):
+    """torch.utils.checkpoint over the op on the portable path: the forward runs again in the backward, and every
+    gradient equals the eager one bit for bit."""
+    case = Case("ckpt", (100, 0, 37), H=2, HV=4, K=16, V=16, pad=3)
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        return o.square().sum() + ht.sum()
+
+    x = make_inputs(case, dtype=torch.float32)
+    cu = x["cu_seqlens"]
+
+    def grads(run):
+        """The leaves' .grad after run(*leaves).backward() (the reentrant checkpoint takes no autograd.grad)."""
+        args = [x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        run(*args).backward()
+        return [a.grad for a in args]
+
+    eager = grads(loss)
+    ckpt = grads(lambda *a: torch.utils.checkpoint.checkpoint(loss, *a, use_reentrant=use_reentrant))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), eager, ckpt):
+        assert torch.equal(a, b), f"checkpoint changed {name}"
+        assert a.abs().sum() > 0, f"{name} is zero: the check would be empty"
 
 
 def test_only_final_state_used_in_loss():

@@ -11,6 +11,9 @@ them) is the kernel's bar.sync business and not modelled. The op lists mirror th
 together.
 
     python3 bench/dev/chunk_bwd_protocol.py
+
+tests/cpu/test_chunk_bwd_protocol.py runs it in the CPU tier (fewer random interleavings) and checks that a wrong
+barrier count or wait parity fails it.
 """
 import random
 

@@ -68,7 +68,7 @@ def _stage_builds(forced: bool) -> dict:
             _add(out, f"{c.name}: {label}", b, a)
     for _, K, dtype, _ in cases.L2NORM_CASES:
         for label, b, a in l2norm.launcher_builds(K, dtype):
-            _add(out, label, b, a)
+            _add(out, f"{label} {str(dtype)[6:]}", b, a)         # the label alone names no dtype
     for name, _, H, HV, K, dx_dtype, l2, out_dtype in cases.GROUP_SUM_CASES:
         a = group_sum.builder_args(HV // H, K, dx_dtype, out_dtype if l2 else None, out_dtype)
         _add(out, f"{name}: group_sum", group_sum.build, a)

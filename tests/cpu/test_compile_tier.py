@@ -14,7 +14,8 @@ pytest.importorskip("tilelang")
 
 from _builds import hang_checks, shipped  # noqa: E402
 
-BUILDS = {label: (builder, args) for label, builder, args in shipped()}
+SHIPPED = shipped()
+BUILDS = {label: (builder, args) for label, builder, args in SHIPPED}
 
 
 def _compile(label):
@@ -39,3 +40,9 @@ def test_shipped_build_compiles_sm90(label, results):
     if isinstance(results[label], BaseException):
         raise results[label]
     assert results[label] == []
+
+
+def test_labels_name_one_build_each():
+    """Each shipped build has a label of its own (a label shared by two builds would compile only one of them)."""
+    assert len(BUILDS) == len(SHIPPED), sorted(label for label, _, _ in SHIPPED
+                                               if sum(x[0] == label for x in SHIPPED) > 1)

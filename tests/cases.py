@@ -155,7 +155,8 @@ E2E_GATE_FLOOR = Case("gate-floor", (100, 200), H=2, HV=8, K=128, V=128, pad=3)
 @dataclasses.dataclass(frozen=True)
 class BwdCase:
     """A `chunk_bwd` / `state_recompute` stage case (tests/gpu/test_bwd.py): chunk_bwd gets the float64 reference's
-    states in fp32."""
+    states rounded to the input dtype (the SM90 state recompute's output dtype, `test_bwd.slot_states`); the float64
+    reference and the baseline take them unrounded."""
     name: str
     seqlens: tuple
     H: int

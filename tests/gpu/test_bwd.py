@@ -1,10 +1,11 @@
 """Stages `state_recompute` and `chunk_bwd` on a Hopper GPU against their float64 twins.
 
-`chunk_bwd` is tested on its own first: g_cumsum, A and the per-chunk states come from the float64 reference (A
-rounded as the SM90 prepare stores it, the states as the SM90 state recompute stores them, in the input dtype), so
-the reference, the baseline (the portable path with GEMM operands rounded to the input dtype) and the kernel consume
-the same inputs. Outputs are NaN-poisoned (conftest):
-every gradient on the padding tail must be exactly 0.
+`chunk_bwd` is tested on its own first: g_cumsum, A and the per-chunk states come from the float64 reference. A is
+rounded as the SM90 prepare stores it (the input dtype) for the reference, the baseline (the portable path with GEMM
+operands rounded to the input dtype) and the kernel alike; the kernel gets the states rounded as the SM90 state
+recompute stores them (the input dtype, `slot_states`), the reference and the baseline get them in float64 (the
+baseline rounds them as a GEMM operand). Outputs are NaN-poisoned (conftest): every gradient on the padding tail must
+be exactly 0. The public API's backward on the sm90 backend follows (end to end).
 """
 import copy
 

@@ -51,7 +51,7 @@ def _stage_builds(forced: bool) -> dict:
             for hpc in prepare.heads_per_cta_options(c.H, c.HV):
                 a = prepare_oneshot.builder_args(c.H, c.HV, c.K, c.dtype, c.beta_dtype, hpc)
                 _add(out, f"{c.name}: prepare_fwd heads/CTA={hpc}", prepare_oneshot.build, a)
-    for c in cases.BWD_CASES + [cases.BWD_MANY_SEQS, cases.BWD_BIG]:
+    for c in cases.BWD_CASES + [cases.BWD_MANY_SEQS, cases.BWD_BIG, cases.BWD_BIG_GVA2]:
         if (c.K, c.V) not in chunk_bwd.HEAD_DIMS:
             continue
         for label, b, a in chunk_bwd.launcher_builds(c.H, c.HV, c.K, c.V, c.dtype, c.beta_dtype, c.K ** -0.5,
@@ -66,12 +66,17 @@ def _stage_builds(forced: bool) -> dict:
     for c in cases.PREP_BWD_CASES:
         for label, b, a in prepare_bwd.launcher_builds(c.HV):
             _add(out, f"{c.name}: {label}", b, a)
-    for _, K, dtype, _ in cases.L2NORM_CASES:
+    for _, K, dtype in [c[:3] for c in cases.L2NORM_CASES] + [cases.L2NORM_BIG]:
         for label, b, a in l2norm.launcher_builds(K, dtype):
             _add(out, f"{label} {str(dtype)[6:]}", b, a)         # the label alone names no dtype
     for name, _, H, HV, K, dx_dtype, l2, out_dtype in cases.GROUP_SUM_CASES:
         a = group_sum.builder_args(HV // H, K, dx_dtype, out_dtype if l2 else None, out_dtype)
         _add(out, f"{name}: group_sum", group_sum.build, a)
+    for c in (cases.BWD_BIG, cases.BWD_BIG_GVA2):   # test_chunk_bwd_offsets_past_2_31_elements: the group sums
+        HVq = c.H if chunk_bwd.group_add(c.H, c.HV) else c.HV       # dq's heads as chunk_bwd returns it
+        for label, b, a in l2norm.launcher_builds(c.K, c.dtype) + group_sum.launcher_builds(c.H, HVq, c.K, c.dtype,
+                                                                                            True):
+            _add(out, f"{c.name}: {label}", b, a)
     return out
 
 
@@ -89,7 +94,8 @@ def _e2e_builds() -> dict:
              (cases.E2E_BWD, torch.bfloat16, dict(backward=True)),
              (cases.BWD_GRAPH, torch.bfloat16, dict(backward=True)),
              (cases.BWD_MODEL, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
-             *[(c, dt, dict(backward=True, qk_l2norm=l2)) for c, dt, l2 in cases.BWD_E2E_PAIRS],
+             *[(c, dt, dict(backward=True, qk_l2norm=l2)) for c, dt, l2 in cases.BWD_E2E_PAIRS
+               + cases.BWD_E2E_NO_DHT + cases.BWD_E2E_DET],
              *[(c, torch.bfloat16, dict(backward=True)) for c in cases.BWD_COMPILE],
              (cases.E2E_L2NORM, torch.bfloat16, dict(backward=True, qk_l2norm=True)),
              (cases.E2E_ORDER, torch.bfloat16, dict(backward=True, qk_l2norm=True)),

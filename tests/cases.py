@@ -109,6 +109,8 @@ L2NORM_CASES = [
     ((1, 300, 2), 256, torch.bfloat16, 1.0),
     ((1, 1, 1), 128, torch.float16, 5.0),
 ]
+# test_l2norm_offsets_past_2_31_elements: rows [1, T, H] with T * H * K just past 2^31 (its inputs are built there)
+L2NORM_BIG = ((1, 2 ** 31 // (16 * 128) + 100, 16), 128, torch.bfloat16)
 
 # tests/gpu/test_group_sum.py: (name, T, H, HV, K, chunk_bwd's dtype, l2norm backward fused, output dtype): the
 # model's call, rows that are and are not multiples of the 32-row tile, GVA 1..4, K 64..256, the portable chunk_bwd's
@@ -192,8 +194,16 @@ BWD_CASES = [
     BwdCase("gva2-ragged", (300, 1, 129, 64), H=2, HV=4, pad=7, beta_dtype=torch.bfloat16),
     BwdCase("gva2-fp16-nodht", (200, 65), H=2, HV=4, pad=3, dtype=torch.float16, beta_dtype=torch.float16,
             dht=False),
+    # GVA 1 with 0- and 1-token sequences and a padding tail; V-first to share the builds of the end-to-end case
+    # dense-gva1-vfirst (4/4)
+    BwdCase("edges-gva1-vfirst-pad9", (1, 0, 63, 64, 65, 0, 1, 130), H=4, HV=4, pad=9, state_v_first=True,
+            beta_dtype=torch.bfloat16),
+    # beta in fp32: the call with a beta sigmoid (the activated beta), or with fp32 beta (`flashdelta warmup`'s
+    # default beta dtype)
+    BwdCase("beta-fp32", (300, 1, 129), H=2, HV=8, pad=5, beta_dtype=torch.float32),
 ]
-BWD_DET = BWD_CASES[4]
+# run-to-run bitwise determinism: a group_sum case (GVA 4) and one where chunk_bwd adds the group itself (GVA 2)
+BWD_DET_CASES = [BWD_CASES[4], BWD_CASES[8]]
 # chunk_dstate (K-first output): the stage cases in the K-first layout
 DSTATE_CASES = [c for c in BWD_CASES if not c.state_v_first]
 # more than 65,535 sequences, and offsets past 2^31 elements (inputs built in the tests; 2/8 shares the builds above)
@@ -202,6 +212,10 @@ DSTATE_CASES = [c for c in BWD_CASES if not c.state_v_first]
 BWD_MANY_SEQS = BwdCase("bwd-70k-seqs", random_lengths(70000, (0, 1, 2, 3, 65), 5), H=2, HV=8, K=64, V=64,
                         beta_dtype=torch.bfloat16)
 BWD_BIG = BwdCase("bwd-2^31", (), H=2, HV=8, beta_dtype=torch.bfloat16)
+# the same at two value heads per key head (chunk_bwd's reduce-add into dq and dk [1, T, H, K]): K = V = 64, where
+# the states (h) take as many elements per token as v (twice as many at K = V = 128), so that dq's rows pass 2^31
+# elements within ~53 GB (do aliases v)
+BWD_BIG_GVA2 = BwdCase("bwd-2^31-gva2", (), H=2, HV=4, K=64, V=64, beta_dtype=torch.bfloat16)
 
 # the SM90 backward through the public API (tests/gpu/test_bwd.py), against float64 autograd of the recurrence
 BWD_E2E = [
@@ -212,8 +226,24 @@ BWD_E2E = [
     Case("zero-gate", (300, 129), H=2, HV=8, K=128, V=128, gate="zero"),
     Case("k64", (500, 3), H=2, HV=4, K=64, V=64),      # two value heads per key head: chunk_bwd sums the group
 ]
+# two value heads per key head at K = V = 128 (the model's 16/32 ratio): chunk_bwd sums the group, and with the
+# l2norm group_sum runs at G = 1 for the l2norm backward alone
+BWD_E2E_GVA2 = Case("gva2-k128", (300, 1, 1000, 64), H=2, HV=4, K=128, V=128, pad=3)
 # (case, dtype, use_qk_l2norm_in_kernel)
-BWD_E2E_PAIRS = [(c, torch.bfloat16, False) for c in BWD_E2E] + [(BWD_E2E[2], torch.bfloat16, True)]
+BWD_E2E_PAIRS = [(c, torch.bfloat16, False) for c in BWD_E2E] + [
+    (BWD_E2E[2], torch.bfloat16, True),
+    (BWD_E2E[0], torch.float16, False),
+    (BWD_E2E_GVA2, torch.bfloat16, True),
+]
+# the loss uses o alone (output_final_state=False): chunk_bwd gets no final-state gradient (dht None), the usual
+# training call
+BWD_E2E_NO_DHT = [
+    (BWD_E2E[0], torch.bfloat16, False),
+    (BWD_E2E_GVA2, torch.bfloat16, True),
+    (BWD_E2E[3], torch.bfloat16, False),
+]
+# run-to-run bitwise determinism through the public API with the l2norm (its backward in group_sum): GVA 3 and GVA 2
+BWD_E2E_DET = [(BWD_E2E[2], torch.bfloat16, True), (BWD_E2E_GVA2, torch.bfloat16, True)]
 BWD_GRAPH = Case("bwd-graph", (3000, 1, 5000), H=2, HV=8, K=128, V=128, pad=11)
 # dense [B, T] with two lengths under torch.compile(dynamic=True) and torch.utils.checkpoint
 BWD_COMPILE = [Case("bwd-compile", (T, T), varlen=False, H=2, HV=8, K=128, V=128) for T in (640, 1000)]

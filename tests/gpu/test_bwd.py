@@ -155,8 +155,8 @@ def test_state_recompute(case):
     assert torch.equal(ht, ht_fwd), "state_recompute's state chain differs from the forward's"
 
 
-def test_chunk_bwd_deterministic():
-    case = cases.BWD_DET
+@pytest.mark.parametrize("case", cases.BWD_DET_CASES, ids=str)
+def test_chunk_bwd_deterministic(case):
     x = _inputs(case)
     a, b = _run(case, x), _run(case, x)
     assert all(torch.equal(s, t) for s, t in zip(a, b))
@@ -171,7 +171,9 @@ def _sm90_chain(q, k, v, g, beta, h0, do, dht, cu, scale):
     return cb.chunk_bwd(q, k, v, g_cumsum, beta, A, hs, do, dht, cu, scale=scale)
 
 
-def _random_inputs(T, N, case, seed):
+def _random_inputs(T, N, case, seed, do_is_v=False):
+    """q, k, v, g, beta, h0, do, dht of T tokens in N sequences; with do_is_v, do is v itself (chunk_bwd reads both
+    and writes neither: one tensor of [1, T, HV, V] less where memory is tight)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape):
@@ -183,7 +185,7 @@ def _random_inputs(T, N, case, seed):
     g = torch.nn.functional.logsigmoid(randn(1, T, case.HV)) / 16
     beta = torch.sigmoid(randn(1, T, case.HV)).to(case.beta_dtype)
     h0 = randn(N, case.HV, case.K, case.V)
-    do = randn(1, T, case.HV, case.V).to(case.dtype)
+    do = v if do_is_v else randn(1, T, case.HV, case.V).to(case.dtype)
     dht = randn(N, case.HV, case.K, case.V)
     return q, k, v, g, beta, h0, do, dht
 
@@ -225,13 +227,20 @@ def test_chunk_bwd_many_sequences():
         assert_close(name, a, r)
 
 
-def test_chunk_bwd_offsets_past_2_31_elements():
-    """A sequence whose dq/dk rows start at element 2^31 ([1, T, HV, K] fp32) and whose states sit past 2^31 elements
-    of h: its gradients from the big launch equal, bit for bit, a launch on that sequence alone."""
-    case = cases.BWD_BIG
-    T0 = 2 ** 31 // (case.HV * case.K)       # sequence 1 starts exactly at dq element 2^31
+@pytest.mark.parametrize("case", [cases.BWD_BIG, cases.BWD_BIG_GVA2], ids=str)
+def test_chunk_bwd_offsets_past_2_31_elements(case):
+    """A sequence whose dq/dk rows start at element 2^31 and whose states sit past 2^31 elements of h: its gradients
+    from the big launch equal, bit for bit, a launch on that sequence alone. dq and dk are [1, T, HV, K] per value
+    head, or [1, T, H, K] where chunk_bwd adds a key head's two value heads into them (`group_add`: its TMA
+    reduce-add and red.global.add past 2^31). Then the group sums as the backward runs them (dq with the l2norm
+    backward, dk without; `group_sum` reads the rows past 2^31) equal those of the sequence alone too. Peak memory
+    ~35 GB (GVA 4, K = V = 128) and ~53 GB (GVA 2, K = V = 64, do aliasing v)."""
+    from flashdelta.kernels import group_sum, l2norm
+
+    add = cb.group_add(case.H, case.HV)
+    T0 = 2 ** 31 // ((case.H if add else case.HV) * case.K)      # sequence 1 starts exactly at dq element 2^31
     T1 = 3000
-    xs = _random_inputs(T0 + T1, 2, case, seed=13)
+    xs = _random_inputs(T0 + T1, 2, case, seed=13, do_is_v=add)
     cu = torch.tensor([0, T0, T0 + T1], dtype=torch.int32, device="cuda")
     scale = case.K ** -0.5
     big = _sm90_chain(*xs, cu, scale)
@@ -241,14 +250,26 @@ def test_chunk_bwd_offsets_past_2_31_elements():
     for name, a, b in zip(NAMES, big, one):
         assert torch.equal(a[1:] if name == "dh0" else a[:, T0:], b), f"{name}: offsets past 2^31 elements"
     assert all(torch.isfinite(t[:, :T0]).all() for t in big[:5])
+    y, rstd = l2norm.l2norm_fwd(xs[0])          # the normalised q, as the forward saves it
+    dq = group_sum.group_sum(big[0], case.H, y=y, rstd=rstd, out_dtype=case.dtype)
+    dk = group_sum.group_sum(big[1], case.H, out_dtype=case.dtype)
+    dq1 = group_sum.group_sum(one[0], case.H, y=y[:, T0:].contiguous(), rstd=rstd[:, T0:].contiguous(),
+                              out_dtype=case.dtype)
+    assert torch.equal(dq[:, T0:], dq1), "dq's group sum with the l2norm backward: offsets past 2^31 elements"
+    assert torch.equal(dk[:, T0:], group_sum.group_sum(one[1], case.H, out_dtype=case.dtype)), \
+        "dk's group sum: offsets past 2^31 elements"
 
 
 # ---------------------------------------------------------------------------------------------- end to end
 
 def _grads(x, o, ht, do, dht):
-    """Backward of (o * do).sum() + (ht * dht).sum(): the input gradients by name."""
+    """Backward of (o * do).sum() + (ht * dht).sum() (the first term alone where dht is None): the input gradients by
+    name."""
     acc = torch.float64 if o.dtype == torch.float64 else torch.float32
-    ((o.to(acc) * do.to(acc)).sum() + (ht.to(acc) * dht.to(acc)).sum()).backward()
+    loss = (o.to(acc) * do.to(acc)).sum()
+    if dht is not None:
+        loss = loss + (ht.to(acc) * dht.to(acc)).sum()
+    loss.backward()
     return {n: x[n].grad for n in GRAD_INPUTS if x[n] is not None}
 
 
@@ -256,27 +277,36 @@ GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
 GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
 
 
-@pytest.mark.parametrize("case,dtype,l2norm", cases.BWD_E2E_PAIRS,
-                         ids=[f"{c}-{str(d)[6:]}{'-l2norm' if n else ''}" for c, d, n in cases.BWD_E2E_PAIRS])
-def test_sm90_backward_matches_recurrence(case, dtype, l2norm, monkeypatch):
-    """Every gradient through the public API on the sm90 backend against float64 autograd of the recurrence."""
-    from flashdelta import chunk_gated_delta_rule
-    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+def _e2e_ids(pairs):
+    return [f"{c}-{str(d)[6:]}{'-l2norm' if n else ''}" for c, d, n in pairs]
 
-    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+
+def _e2e_inputs(case, dtype, l2norm):
     x = make_inputs(case, dtype=dtype, device="cuda", requires_grad=True)
     if l2norm:
         with torch.no_grad():
             x["q"].mul_(3)
             x["k"].mul_(0.5)
-    o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    return x
+
+
+def _check_backward(case, dtype, l2norm, final_state, **kw):
+    """Every gradient through the public API (on the backend the caller forces; `kw`: more of its keywords) against
+    float64 autograd of the recurrence; with final_state the loss uses the final state too, else o alone (dht
+    None)."""
+    from flashdelta import chunk_gated_delta_rule
+    from flashdelta.reference.recurrent import recurrent_gated_delta_rule
+
+    x = _e2e_inputs(case, dtype, l2norm)
+    o, ht = chunk_gated_delta_rule(**x, output_final_state=final_state, use_qk_l2norm_in_kernel=l2norm, **kw)
     gen = torch.Generator(device="cuda").manual_seed(3)
     do = torch.randn(o.shape, generator=gen, device="cuda").to(dtype)
-    dht = torch.randn(ht.shape, generator=gen, device="cuda")
+    dht = torch.randn(ht.shape, generator=gen, device="cuda") if final_state else None
     got = _grads(x, o, ht, do, dht)
     x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
            for n, t in x.items()}
-    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=final_state,
+                                               use_qk_l2norm_in_kernel=l2norm)
     want = _grads(x64, o_ref, ht_ref, do, dht)
     assert_close("o", o, o_ref)
     for n in got:
@@ -285,6 +315,52 @@ def test_sm90_backward_matches_recurrence(case, dtype, l2norm, monkeypatch):
     if case.pad:
         for n in ("q", "k", "v", "g", "beta"):
             assert torch.all(got[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"
+
+
+@pytest.mark.parametrize("case,dtype,l2norm", cases.BWD_E2E_PAIRS, ids=_e2e_ids(cases.BWD_E2E_PAIRS))
+def test_sm90_backward_matches_recurrence(case, dtype, l2norm, monkeypatch):
+    """Every gradient through the public API on the sm90 backend against float64 autograd of the recurrence."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    _check_backward(case, dtype, l2norm, final_state=True)
+
+
+@pytest.mark.parametrize("case,dtype,l2norm", cases.BWD_E2E_NO_DHT, ids=_e2e_ids(cases.BWD_E2E_NO_DHT))
+def test_sm90_backward_final_state_unused(case, dtype, l2norm, monkeypatch):
+    """The loss uses o alone (output_final_state=False, the usual training call): chunk_bwd runs its build without
+    a final-state gradient (autograd passes dht None), and every gradient matches float64 autograd of the
+    recurrence. Context parallelism off: a split backward gives chunk_bwd every partition's end gradient instead."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    has_dht = []
+    real = cb.builder_args
+
+    def spy(*args):
+        has_dht.append(args[7])
+        return real(*args)
+
+    monkeypatch.setattr(cb, "builder_args", spy)
+    _check_backward(case, dtype, l2norm, final_state=False, context_parallel=False)
+    assert has_dht and not any(has_dht), f"chunk_bwd's builds: has_dht {has_dht}"
+
+
+@pytest.mark.parametrize("case,dtype,l2norm", cases.BWD_E2E_DET, ids=_e2e_ids(cases.BWD_E2E_DET))
+def test_sm90_backward_deterministic(case, dtype, l2norm, monkeypatch):
+    """Forward + backward twice through the public API with the l2norm in the kernel (its backward in group_sum):
+    every gradient bitwise equal."""
+    from flashdelta import chunk_gated_delta_rule
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    x = _e2e_inputs(case, dtype, l2norm)
+    leaves = [x[n] for n in GRAD_INPUTS if x[n] is not None]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(dtype)
+
+    def step():
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        return torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+
+    a, b = step(), step()
+    for n, s, t in zip([n for n in GRAD_INPUTS if x[n] is not None], a, b):
+        assert torch.equal(s, t), f"{GRAD_NAMES[n]} differs between two runs"
 
 
 def test_sm90_backward_deterministic_and_graph_capturable(monkeypatch):

@@ -4,7 +4,7 @@ Outputs are NaN-poisoned (conftest), so a row the kernel forgets fails the non-f
 import pytest
 import torch
 from _helpers import assert_close
-from cases import L2NORM_CASES
+from cases import L2NORM_BIG, L2NORM_CASES
 
 from flashdelta import portable
 from flashdelta.kernels.l2norm import l2norm_fwd
@@ -28,3 +28,22 @@ def test_l2norm_matches_reference(shape, K, dtype, mag):
 def test_l2norm_empty():
     y, rstd = l2norm_fwd(torch.empty(1, 0, 4, 128, device="cuda", dtype=torch.bfloat16))
     assert y.shape == (1, 0, 4, 128) and rstd.shape == (1, 0, 4, 1)
+
+
+def test_l2norm_offsets_past_2_31_elements():
+    """Rows whose elements start past 2^31 (x [1, T, H, K] bf16, 4.3 GB, and y alike): y and rstd of the big launch
+    equal, bit for bit, a launch on the last rows alone (from one row before element 2^31), and match the float64
+    reference there."""
+    shape, K, dtype = L2NORM_BIG
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*shape, K, generator=gen, device="cuda", dtype=dtype)
+    assert x.numel() > 2 ** 31
+    y, rstd = l2norm_fwd(x)
+    t0 = 2 ** 31 // (shape[2] * K) - 1          # token t0 + 1 starts at element 2^31
+    tail = x[:, t0:].contiguous()
+    y1, rstd1 = l2norm_fwd(tail)
+    assert torch.equal(y[:, t0:], y1) and torch.equal(rstd[:, t0:], rstd1), "offsets past 2^31 elements"
+    assert torch.isfinite(y).all() and torch.isfinite(rstd).all()       # no row left NaN-poisoned
+    y_ref, rstd_ref = ref.l2norm_fwd(tail)
+    assert_close("qk_l2norm", y1, y_ref)
+    assert_close("rstd", rstd1, rstd_ref)

@@ -108,32 +108,20 @@ def _launch_us(items: list, slots: int, idle: float, full: float, item: float, l
     return launch + _makespan(tuple(sorted(((ch * c + item, cnt) for ch, cnt in items if cnt), reverse=True)), slots)
 
 
-@functools.lru_cache(maxsize=4096)
 def _makespan(jobs: tuple, slots: int) -> float:
     """Longest-first list scheduling of `jobs` = ((duration, count), ...) on `slots` machines (each job starts on
-    the first to free up): the last finish time. The slots' finish times are kept sorted; the j slots that free up
-    before the first one could finish a job of this group each take one next, so a group goes in batches of j (whole
-    rounds at once where j is every slot), not job by job. Cached: the candidates of one decision share their
-    serial passes, and the layers of a model step share their lengths."""
-    t = [0.0] * min(slots, sum(cnt for _, cnt in jobs))
-    for d, cnt in sorted(jobs, reverse=True):
-        while cnt:
-            j = bisect.bisect_left(t, t[0] + d)
-            if j == len(t) and cnt >= j:
-                rounds = cnt // j
-                t = [x + rounds * d for x in t]
-                cnt -= rounds * j
-                continue
-            k = min(j, cnt)
-            t = sorted(t[k:] + [x + d for x in t[:k]])        # two sorted runs: a linear merge
-            cnt -= k
-    return t[-1] if t else 0.0
+    the first to free up): the last finish time (`_schedule`)."""
+    return _schedule(tuple((d, 0, cnt) for d, cnt in jobs), slots)[0]
 
 
-def _critical_slot(jobs: tuple, slots: int) -> tuple:
-    """(chunks, items) run by the slot that finishes last in `_makespan`'s schedule of `jobs` = ((duration, chunks,
-    count), ...): the same schedule step for step, each slot's chunks and items carried beside its finish time (the
-    times, so the makespan, are `_makespan`'s bit for bit; slots that tie in time are interchangeable)."""
+@functools.lru_cache(maxsize=4096)
+def _schedule(jobs: tuple, slots: int) -> tuple:
+    """Longest-first list scheduling of `jobs` = ((duration, chunks, count), ...) on `slots` machines: (finish time,
+    chunks, items) of the slot that finishes last (its chunks and items are the rows bench/dev/fit_cp.py fits; slots
+    that tie in time are interchangeable). The slots' finish times are kept sorted; the j slots that free up before
+    the first one could finish a job of this group each take one next, so a group goes in batches of j (whole rounds
+    at once where j is every slot), not job by job. Cached: the candidates of one decision share their serial passes,
+    and the layers of a model step share their lengths."""
     t = [(0.0, 0, 0)] * min(slots, sum(cnt for *_, cnt in jobs))
     for d, ch, cnt in sorted(jobs, reverse=True):
         while cnt:
@@ -144,9 +132,9 @@ def _critical_slot(jobs: tuple, slots: int) -> tuple:
                 cnt -= rounds * j
                 continue
             k = min(j, cnt)
-            t = sorted(t[k:] + [(x + d, c + ch, n + 1) for x, c, n in t[:k]])
+            t = sorted(t[k:] + [(x + d, c + ch, n + 1) for x, c, n in t[:k]])   # two sorted runs: a linear merge
             cnt -= k
-    return t[-1][1:] if t else (0, 0)
+    return t[-1] if t else (0.0, 0, 0)
 
 
 def _launch_terms(items: list, slots: int, idle: float, full: float, item: float) -> tuple:
@@ -158,7 +146,7 @@ def _launch_terms(items: list, slots: int, idle: float, full: float, item: float
         return 0.0, 0, 0
     occ = min(1.0, n / slots)
     c = idle + (full - idle) * occ
-    return (occ,) + _critical_slot(tuple((ch * c + item, ch, cnt) for ch, cnt in items if cnt), slots)
+    return (occ,) + _schedule(tuple((ch * c + item, ch, cnt) for ch, cnt in items if cnt), slots)[1:]
 
 
 def _pass_us(items: list, sms: int) -> float:

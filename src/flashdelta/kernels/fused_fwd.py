@@ -130,7 +130,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # tiling config
     NS = NUM_STAGES
     NO = 2                          # o staging buffers
-    NP = 3                          # buffers of the prep warpgroup's products: it runs up to two chunks ahead
+    # buffers of the prep warpgroup's products: it runs up to two chunks ahead; the full build with its state output
+    # has room for two only (the S0^T staging tile takes the third's 16 KB of shared memory)
+    NP = 2 if save_states and not states_only else 3
     THREADS = 384
     assert K in (64, 128) and V % BV == 0 and HV % H == 0 
 

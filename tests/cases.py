@@ -150,6 +150,10 @@ E2E_ORDER = Case("order", (1, 2, 63, 64, 65, 130, 200, 260, 333, 400, 512, 640, 
 # auto dispatch with gradients at head dims the SM90 backward lacks (V = 256): the sm90 forward, prepare_fwd and
 # prepare_bwd, and the portable state recompute, chunk_bwd and group_sum
 E2E_BWD = Case("bwd", (300, 0, 133), H=2, HV=8, K=128, V=256, pad=5)
+# the training forward saving the backward's chunk states against the backward recomputing them: empty and 1-token
+# sequences, a partial last chunk, padding, both state layouts
+E2E_SAVED_STATES = (Case("saved-states", (1, 0, 700, 64, 1300), H=2, HV=4, K=128, V=128, pad=7),
+                    Case("saved-states-vfirst", (129, 2000), H=2, HV=8, K=128, V=128, state_v_first=True))
 # g = -inf (a full state reset) at a sequence start and g = -1e30 mid-sequence (docs/numerics.md, the gate floor)
 E2E_GATE_FLOOR = Case("gate-floor", (100, 200), H=2, HV=8, K=128, V=128, pad=3)
 

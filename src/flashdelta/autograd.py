@@ -73,7 +73,41 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 
 
 # the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
-_SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts")
+_SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts", "states")
+
+# 1 (default): the training forward saves the state entering every chunk for chunk_bwd; 0: the backward recomputes
+# them (stage state_recompute), so nothing of that size is held from the forward to the backward
+ENV_SAVE_STATES = "FLASHDELTA_SAVE_STATES"
+
+
+def save_states_enabled() -> bool:
+    """`ENV_SAVE_STATES`, validated: whether the training forward may save the backward's chunk states."""
+    raw = os.environ.get(ENV_SAVE_STATES, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV_SAVE_STATES}={raw!r}: expected 1 (the training forward saves the backward's chunk "
+                         f"states, the default) or 0 (the backward recomputes them: less memory held between the "
+                         f"passes)")
+    return raw == "1"
+
+
+def _saves_states(context_parallel: int, plan: dispatch.Plan, N: int, q: Tensor, v: Tensor, varlen: bool) -> bool:
+    """Whether the training forward saves the state entering every chunk (`_SAVED` ``states``) for the backward's
+    chunk_bwd, which then runs no state_recompute: where `ENV_SAVE_STATES` allows it, one native backend runs
+    chunk_fwd and chunk_bwd (the states are private to it, `stages.COUPLED`) and neither pass is split by context
+    parallelism on a code decided on the host (a traced code, `cp.CP_AUTO` / `cp.CP_ON`, is settled inside each op,
+    so the forward cannot know the backward's split and saves none). The fused forward then writes 512 B per token
+    and value head (K = V = 128, bf16) that live until the backward; the recompute costs about a forward."""
+    if not save_states_enabled() or context_parallel < 0:
+        return False
+    backend = plan.backends["chunk_fwd"]
+    if backend == dispatch.PORTABLE or plan.backends["chunk_bwd"] != backend:
+        return False
+    if context_parallel > 0:
+        B, T, _, K = q.shape
+        kw = dict(kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T, HV=v.shape[2], K=K,
+                  V=v.shape[3], N=N, varlen=varlen)
+        return not (cp.resolve_code(context_parallel, **kw) or cp.resolve_code(context_parallel, backward=True, **kw))
+    return True
 
 
 def _starts_every(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool) -> int:
@@ -100,14 +134,15 @@ def _starts(context_parallel: int, N: int, q: Tensor, v: Tensor, cu_seqlens: Opt
 
 
 def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int,
-                plan: Optional[dispatch.Plan] = None, starts: tuple = (0, 0)) -> list:
+                plan: Optional[dispatch.Plan] = None, starts: tuple = (0, 0), states: int = -1) -> list:
     """(shape, dtype) of each `_SAVED` output, None where it is empty (a 1-D placeholder: saved tensors have 3 or 4
     dims); the real op converts to these dtypes, so the fake kernel declares what the op returns. `plan`: the call's
     (need_bwd) plan where the caller has it. A is in q's dtype from a native prepare_fwd, in the compute dtype from
     the portable one (docs/stages.md). The normalised q and k are saved only from a native l2norm_fwd (in q's dtype,
     what the backward's native stages read); the portable one's (compute dtype) are recomputed. `starts`: (the
     backward's partition length `_starts_every`, its partition slots P): the saved partition start states, K-first,
-    in the state dtype."""
+    in the state dtype. `states`: the number of sequences N where the forward saves the chunk states
+    (`_saves_states`; -1: none), in the native layout of `state_recompute` (docs/stages.md)."""
     if not need_bwd:
         return [None] * len(_SAVED)
     B, T, H, K = q.shape
@@ -119,7 +154,8 @@ def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: 
     return [((1, B * T, HV), gd), ((1, B * T, HV, cp.BT), a_dtype), ((1, B * T, HV), gd) if beta_act else None,
             (tuple(q.shape), q.dtype) if l2 else None, (tuple(k.shape), k.dtype) if l2 else None,
             ((1, B * T, H, 1), torch.float32) if l2 else None, ((1, B * T, H, 1), torch.float32) if l2 else None,
-            ((starts[1], HV, K, v.shape[3]), gd) if starts[0] else None]
+            ((starts[1], HV, K, v.shape[3]), gd) if starts[0] else None,
+            ((B * T // cp.BT + states + 1, HV, v.shape[3], K), q.dtype) if states >= 0 else None]
 
 
 def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor, cu: Tensor,
@@ -189,14 +225,15 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd else (0, 0)
+    plan = _plan(q, v, need_bwd)
+    states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
         ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
               else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
-        meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, starts=starts)
+        meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
         return (o, ht, *(q.new_empty(0) if m is None else q.new_zeros(m[0], dtype=m[1]) for m in meta))
-    plan = _plan(q, v, need_bwd)
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts)
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     rq = rk = None
     if use_qk_l2norm:
@@ -217,11 +254,15 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
                              kset=plan.kset("chunk_bwd"))
         o, ht, hp = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                                  state_v_first=state_v_first, partition_starts=(starts[0], parts.first_index, parts.P))
+    elif states >= 0:   # the backward's chunk states (`_saves_states`)
+        o, ht, hs = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
+                                 state_v_first=state_v_first, save_states=True)
     else:
         o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                              state_v_first=state_v_first)
     # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares, or a placeholder
-    got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, hp if starts[0] else None)
+    got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, hp if starts[0] else None,
+           hs if states >= 0 else None)
     saved = [q.new_empty(0) if m is None else x.to(m[1]) for x, m in zip(got, meta)]
     return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q)), *saved)
 
@@ -232,7 +273,7 @@ def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
                   dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                                                   Tensor, Tensor, Tensor, Tensor,
-                                                                                  Tensor, Tensor]:
+                                                                                  Tensor, Tensor, Tensor]:
     return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
                           need_bwd, context_parallel, A_log, dt_bias, beta_act)
 
@@ -244,7 +285,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd else (0, 0)
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, starts=starts)
+    plan = dispatch.plan(q.device, K, V, q.dtype, need_bwd=need_bwd)
+    states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
     return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)),
             *(q.new_empty(0) if m is None else q.new_empty(m[0], dtype=m[1]) for m in meta))
 
@@ -256,12 +299,12 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, beta_act: int = 0,
                   g_cumsum: Optional[Tensor] = None, A: Optional[Tensor] = None, beta_act_out: Optional[Tensor] = None,
                   q_rstd: Optional[Tensor] = None, k_rstd: Optional[Tensor] = None,
-                  cp_starts: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                            Tensor]:
+                  cp_starts: Optional[Tensor] = None, states: Optional[Tensor] = None) -> tuple[
+                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Every input gradient. g_cumsum, A, beta_act_out (the activated beta, with beta_act) and q_rstd, k_rstd (with
-    use_qk_l2norm; q and k are then the l2-normalised ones) and cp_starts (where the forward saved the backward's
-    partition start states) are the forward's `_SAVED` outputs; where they are not given, the stages that made them
-    run again."""
+    use_qk_l2norm; q and k are then the l2-normalised ones), cp_starts (where the forward saved the backward's
+    partition start states) and states (where it saved the chunk states, `_saves_states`) are the forward's `_SAVED`
+    outputs; where they are not given, the stages that made them run again."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dh0_empty = q.new_empty(0, dtype=torch.float32)
@@ -294,8 +337,9 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                                                      scale=scale, state_v_first=state_v_first, plan=parts,
                                                      backends=plan, keys_normalized=use_qk_l2norm, starts=cp_starts)
     else:
-        h = ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
-                               state_v_first=state_v_first)
+        h = states if states is not None else ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A,
+                                                                 _param(initial_state, ks), cu,
+                                                                 state_v_first=state_v_first)
         dq, dk, dv, dbeta, dG, dh0 = ks.chunk_bwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, h, _flat(do), dht, cu,
                                                   scale=scale, state_v_first=state_v_first)
         del h
@@ -328,7 +372,7 @@ def _param_grads(q: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor]) 
 @chunk_gdn_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0,
       A_log=None, dt_bias=None, beta_act=0, g_cumsum=None, A=None, beta_act_out=None, q_rstd=None, k_rstd=None,
-      cp_starts=None):
+      cp_starts=None, states=None):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0, *_param_grads(q, A_log, dt_bias))
@@ -339,11 +383,11 @@ def _setup_context(ctx, inputs, output):
     A_log, dt_bias, beta_act = inputs[12:15] if len(inputs) > 12 else (None, None, 0)
     # the forward's `_SAVED` outputs, None where empty (the backward recomputes those); the normalised q and k, where
     # saved, replace the inputs
-    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk, starts = (x if x.dim() > 1 else None for x in output[2:])
+    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk, starts, states = (x if x.dim() > 1 else None for x in output[2:])
     if rq is not None:
         q, k = q_l2, k_l2
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, g_cumsum, A, beta_out, rq, rk,
-                          starts)
+                          starts, states)
     ctx.mark_non_differentiable(*output[2:])
     ctx.set_materialize_grads(False)      # no zero gradients for the saved outputs
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
@@ -355,7 +399,7 @@ def _backward(ctx, do, dht, *_saved_grads):
     saved = ctx.saved_tensors
     q, k, v, g, beta, initial_state, cu_seqlens = saved[:7]
     A_log, dt_bias = saved[7:9] if len(saved) > 7 else (None, None)
-    fwd_saved = saved[9:15] if len(saved) > 9 else (None,) * 6
+    fwd_saved = saved[9:16] if len(saved) > 9 else (None,) * 7
     scale, use_qk_l2norm, state_v_first = ctx.opts
     context_parallel = getattr(ctx, "cp_code", 0)
     beta_act = getattr(ctx, "beta_act", 0)

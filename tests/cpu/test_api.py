@@ -440,3 +440,31 @@ def test_backward_reuses_the_forwards_prepare(gate, monkeypatch):
     assert len(calls) == 2
     for name, want in zip(("q", "k", "v", "g", "beta"), ref):
         assert torch.equal(leaves[name].grad, want), name
+
+
+def test_saved_states_decision(monkeypatch):
+    """The training forward saves the backward's chunk states only where one native backend runs chunk_fwd and
+    chunk_bwd, no pass is split on a host-decided CP code and FLASHDELTA_SAVE_STATES allows it; a traced code
+    (decided inside each op) saves none; a bad value of the variable raises at the call, naming it."""
+    from flashdelta import autograd, cp
+
+    q, v = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 4096, 4, 128, dtype=torch.bfloat16)
+    native = dispatch.Plan(dict.fromkeys(stages.STAGES, "sm90"), "sm90", {})
+    mixed = dispatch.Plan(dict(native.backends, chunk_bwd=dispatch.PORTABLE, state_recompute=dispatch.PORTABLE),
+                          "sm90", {})
+    portable = dispatch.Plan(dict.fromkeys(stages.STAGES, dispatch.PORTABLE), None, {})
+    saves = lambda code, plan: autograd._saves_states(code, plan, 1, q, v, False)  # noqa: E731
+    monkeypatch.delenv(autograd.ENV_SAVE_STATES, raising=False)
+    assert saves(0, native) and not saves(0, mixed) and not saves(0, portable)
+    assert not saves(cp.CP_AUTO, native) and not saves(cp.CP_ON, native)
+    assert not saves(cp.encode(4, 4), native) and not saves(cp.encode(0, 4), native)
+    assert not saves(cp.encode(4, 0), native)
+    monkeypatch.setenv(autograd.ENV_SAVE_STATES, "0")
+    assert not saves(0, native)
+    meta = autograd._saved_meta(q, q, v, False, True, 0, native, states=3)
+    assert meta[autograd._SAVED.index("states")] == ((4096 // 64 + 3 + 1, 4, 128, 128), torch.bfloat16)
+    for bad in ("yes", "", "2"):
+        monkeypatch.setenv(autograd.ENV_SAVE_STATES, bad)
+        with pytest.raises(ValueError, match="FLASHDELTA_SAVE_STATES"):
+            chunk_gated_delta_rule(q[:, :64].float().requires_grad_(True), q[:, :64].float(), v[:, :64].float(),
+                                   torch.zeros(1, 64, 4), torch.ones(1, 64, 4))

@@ -227,3 +227,34 @@ def test_seq_order(lengths, ctas, want):
     cu = torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
     got = _tl.seq_order(cu, ctas)
     assert got.dtype == torch.int32 and got.tolist() == want
+
+
+def test_saved_states_builds_compile(tmp_path):
+    """The training forward's builds that save the backward's chunk states (`save_states`): listed with the backward's
+    builds (`sm90.backward_builds`, so `precompile.variants` and `flashdelta warmup` compile them), they compile for
+    sm_90a, pass the hang checks, write `hs` by TMA, fit a CTA's 232,448 B of shared memory (two prep-product buffers
+    instead of three make room for the state's staging tile) and keep the default build's budget."""
+    import concurrent.futures
+
+    from _builds import dyn_smem_bytes, hang_checks, ptxas_report
+
+    opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
+                scale=SCALE)
+    lb = [b for b in sm90.backward_builds([(2, 8)], **opts) if b[0].startswith("chunk_fwd")]
+    assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
+                                                            torch.float32, SCALE, h0, False) + (True,)
+                                     for h0 in (False, True)]
+    assert all("save_states" in label for label, _, _ in lb)
+    listed = {(b.__name__, a) for _, b, a in precompile.variants([(16, 32)], backward=True, num_sms=132)}
+    assert all((b.__name__, a) in listed for _, b, a in sm90.backward_builds([(16, 32)], **opts)
+               if b is fused_fwd.build)
+    with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
+        kernels = list(pool.map(lambda x: x[1](*x[2]), lb))
+    for (label, _, _), kernel in zip(lb, kernels):
+        src, host = kernel.get_kernel_source(), kernel.get_host_source()
+        assert hang_checks(src, host) == [], label
+        sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+        assert "hs_desc" in sig and "q_desc" in sig and "bfloat16_t* __restrict__ o" in sig, label
+        assert dyn_smem_bytes(host) <= 232448, (label, dyn_smem_bytes(host))
+        report = ptxas_report(src, tmp_path, label.replace(" ", "_"))
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report

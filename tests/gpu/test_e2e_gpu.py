@@ -5,7 +5,7 @@ import pytest
 import torch
 from _helpers import Case, assert_close, make_inputs
 from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_ORDER, E2E_OTHER_SCALE,
-                   E2E_PAIRS, E2E_SCALE_FP64)
+                   E2E_PAIRS, E2E_SAVED_STATES, E2E_SCALE_FP64)
 
 from flashdelta import autograd, chunk_gated_delta_rule, portable
 from flashdelta.reference.chunked import chunked_fwd
@@ -306,6 +306,43 @@ def test_sm90_backward_reuses_the_forwards_l2norm(monkeypatch):
     assert calls, "the reference backward recomputes prepare_fwd"
     for n, got, want in zip(names, grads, ref):
         assert torch.equal(got, want.to(got.dtype)), n
+
+
+@pytest.mark.parametrize("case", E2E_SAVED_STATES, ids=str)
+def test_sm90_saved_states_equal_recompute(case, monkeypatch):
+    """The training forward saves the state entering every chunk (the backward then runs no state_recompute); every
+    gradient is bit for bit the backward's that recomputes them (FLASHDELTA_SAVE_STATES=0), which saves none."""
+    from flashdelta import dispatch
+    from flashdelta.kernels import fused_fwd, sm90
+
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    calls = []
+    counted = sm90.KERNELS._replace(
+        state_recompute=lambda *a, **kw: calls.append(1) or fused_fwd.state_recompute(*a, **kw))
+    monkeypatch.setitem(dispatch._LOADERS, "sm90", lambda: counted)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    grads, shapes = {}, {}
+    for env in ("1", "0"):
+        monkeypatch.setenv(autograd.ENV_SAVE_STATES, env)
+        calls.clear()
+        x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=False)
+        shapes[env] = [tuple(t.shape) for t in saved if t.dim() == 4 and t.dtype == torch.bfloat16
+                       and t.shape[1:] == (case.HV, case.V, case.K) and t.shape[0] != 1]
+        if env == "1":
+            do = torch.randn(o.shape, generator=gen, device="cuda").bfloat16()
+            dht = torch.randn(ht.shape, generator=gen, device="cuda")
+        grads[env] = torch.autograd.grad((o, ht), [x[n] for n in names], (do, dht))
+        assert len(calls) == (env == "0"), f"FLASHDELTA_SAVE_STATES={env}: {len(calls)} state recomputes"
+    T = x["q"].shape[1]
+    assert shapes["1"] == [(T // 64 + len(case.seqlens) + 1, case.HV, case.V, case.K)] and shapes["0"] == []
+    for n, a, b in zip(names, grads["1"], grads["0"]):
+        assert torch.equal(a, b), n
+    if case.pad:
+        assert torch.all(grads["1"][2][:, T - case.pad:] == 0)
 
 
 def test_sm90_sequence_order_is_invisible(monkeypatch):

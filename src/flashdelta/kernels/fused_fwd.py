@@ -610,20 +610,23 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
                     chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False,
-                    transitions=False) -> list:
+                    transitions=False, save_states=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
     builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o),
     `partition_starts` (the training forward's partition start states) and `transitions` (the M and E passes in one
-    launch, states_only implied) are what only context parallelism launches (`cp.builds`)."""
+    launch, states_only implied) are what only context parallelism launches (`cp.builds`); `save_states` the training
+    forward that saves the backward's chunk states."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
             args = builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst)
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
             for skip in chunk_skip:
-                flags = _flags(False, skip, zero_values, states_only or transitions, partition_starts, transitions)
-                out.append((label + (" skip" if skip else "") + (" zero_v" if zero_values else "")
+                flags = _flags(save_states, skip, zero_values, states_only or transitions, partition_starts,
+                               transitions)
+                out.append((label + (" save_states" if save_states else "") + (" skip" if skip else "")
+                            + (" zero_v" if zero_values else "")
                             + (" states" if states_only or transitions else "")
                             + (" starts" if partition_starts else "") + (" transitions" if transitions else ""),
                             build, args + flags))
@@ -651,7 +654,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None):
+              transitions=False, transition_skip=None, save_states=False):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -679,13 +682,22 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             (context parallelism's M and E passes, whose work items then share one wave). transition_skip: with
             chunk_skip (and only then), ``[N, HV]`` integer, the M walks' start chunks as chunk_skip gives the E
             walks'; where it skips every chunk of a non-empty sequence M = 0 (not the identity).
+        save_states: also return third the state entering every chunk, as `state_recompute` returns it (the
+            training forward saving the backward's states; not with the context-parallel options).
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
-        `state_v_first`; with partition_starts the start states third; with transitions M third (o None). One
+        `state_v_first`; with partition_starts the start states third; with transitions M third (o None); with
+        save_states the chunk states third. One
         launch of (N + 1) * HV * V / 64 CTAs ((N + 1) * HV * (K + V) / 64 with transitions); no host
         synchronisation.
     """
+    if save_states:
+        assert not (chunk_skip is not None or zero_values or states_only or partition_starts is not None
+                    or transitions), "save_states: not with the context-parallel options"
+        o, hs, ht = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
+                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=True)
+        return o, ht, hs
     o, ht, third = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,

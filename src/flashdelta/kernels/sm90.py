@@ -79,14 +79,17 @@ def backward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dty
                     state_v_first: tuple = (False,), qk_l2norm: bool = True, beta_act: int = 0) -> list:
     """(label, builder, args) of every SM90 kernel the backward launches beyond the forward's (the stages of
     `KERNELS` in `stages.BACKWARD` that the forward does not run; its recompute of `prepare_fwd` takes the forward's
-    builds), options as in `forward_builds`; chunk_bwd with and without the final state's gradient; none for the state
-    recompute and chunk_bwd where their head dims are not supported (they run on the portable path). With beta_act
-    they read the activated beta in fp32."""
+    builds), options as in `forward_builds`; the training forward that saves the chunk states for chunk_bwd
+    (`fused_fwd.chunk_fwd(save_states=True)`) and the state recompute that replaces it where it does not; chunk_bwd
+    with and without the final state's gradient; none of these where their head dims are not supported (they run on
+    the portable path). With beta_act they read the activated beta in fp32."""
     K, V = head_dim
     beta_dtype = stage_beta_dtype(beta_dtype, beta_act)
     out = []
     for H, HV in heads:
         if (K, V) in chunk_bwd.HEAD_DIMS:
+            out += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, initial_state,
+                                             state_v_first, save_states=True)
             out += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, h0_dtype, initial_state,
                                                     state_v_first)
             # with and without the final state's gradient: autograd passes None for it where the loss does not use

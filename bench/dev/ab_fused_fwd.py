@@ -29,6 +29,20 @@ def _diff(x, y) -> str:
     return f"max|d| {(x.float() - y.float()).abs().max().item():.1e}"
 
 
+def fwd_row(row: str) -> tuple:
+    """(heads, seqlens, inputs, scale, g_cumsum, A, owned) of one --rows entry for the fused forward: the benchmark's
+    inputs, prepare_fwd's outputs and the state slots state_recompute writes (chunk c of sequence n:
+    cu[n] // 64 + n + c; the others are unset)."""
+    from flashdelta.kernels import prepare
+
+    hh, sl, inp = row_inputs(row, requires_grad=False)
+    g_cumsum, A = prepare.prepare_fwd(inp.k, inp.g, inp.beta, inp.cu)[:2]
+    cl = inp.cu.tolist()
+    owned = torch.tensor([b // 64 + n + c for n, (b, e) in enumerate(zip(cl, cl[1:]))
+                          for c in range(-(-(e - b) // 64))], device=inp.q.device)
+    return hh, sl, inp, inp.q.shape[-1] ** -0.5, g_cumsum, A, owned
+
+
 def _builds(m, h: int, hv: int) -> list:
     return (m.state_recompute_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32,
                                      initial_state=(True,))
@@ -41,21 +55,13 @@ def main():
     if args.precompile:
         precompile(args.rows, mods, _builds)
         return
-    from flashdelta.kernels import prepare
-
     stream = torch.cuda.Stream()
     names = list(mods)
     print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "  vs shipped", flush=True)
     for row in args.rows:
-        hh, sl, inp = row_inputs(row, requires_grad=False)
-        q, k, v, g, beta, h0, cu = inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, inp.cu
-        scale = q.shape[-1] ** -0.5
-        g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)[:2]
-        # the slots state_recompute writes (chunk c of sequence n: cu[n] // 64 + n + c); the others are unset
-        cl = cu.tolist()
-        owned = torch.tensor([b // 64 + n + c for n, (b, e) in enumerate(zip(cl, cl[1:]))
-                              for c in range(-(-(e - b) // 64))], device=q.device)
+        hh, sl, inp, scale, g_cumsum, A, owned = fwd_row(row)
+        q, k, v, beta, h0, cu = inp.q, inp.k, inp.v, inp.beta, inp.h0, inp.cu
         calls = {
             "state_recompute": lambda m: lambda: m.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
             "chunk_fwd": lambda m: lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),

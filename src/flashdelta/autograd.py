@@ -102,12 +102,18 @@ def _saves_states(context_parallel: int, plan: dispatch.Plan, N: int, q: Tensor,
     backend = plan.backends["chunk_fwd"]
     if backend == dispatch.PORTABLE or plan.backends["chunk_bwd"] != backend:
         return False
-    if context_parallel > 0:
-        B, T, _, K = q.shape
-        kw = dict(kset=plan.kset("chunk_fwd"), device=q.device, dtype=q.dtype, B=B, T=T, HV=v.shape[2], K=K,
-                  V=v.shape[3], N=N, varlen=varlen)
-        return not (cp.resolve_code(context_parallel, **kw) or cp.resolve_code(context_parallel, backward=True, **kw))
-    return True
+    return _host_split(context_parallel, N, q, v, varlen) == (0, 0)
+
+
+def _host_split(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool) -> tuple:
+    """(forward L, backward L) of a CP code decided on the host (0: serial; (0, 0) for code 0 and for traced
+    codes, which each op settles itself)."""
+    if context_parallel <= 0:
+        return 0, 0
+    B, T, _, K = q.shape
+    kw = dict(device=q.device, dtype=q.dtype, B=B, T=T, HV=v.shape[2], K=K, V=v.shape[3], N=N, varlen=varlen,
+              kset=dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True).kset("chunk_fwd"))
+    return cp.resolve_code(context_parallel, **kw), cp.resolve_code(context_parallel, backward=True, **kw)
 
 
 def _starts_every(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool) -> int:
@@ -116,14 +122,8 @@ def _starts_every(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: b
     forward, the unsplit forward walks every partition boundary anyway, and its fp32 states there replace the CP
     backward's E pass and forward scan (`cp.cp_chunk_bwd`'s `starts`). Traced calls (`cp.CP_AUTO`, `cp.CP_ON`,
     settled inside each op) save none."""
-    if context_parallel <= 0:
-        return 0
-    B, T, _, K = q.shape
-    kw = dict(device=q.device, dtype=q.dtype, B=B, T=T, HV=v.shape[2], K=K, V=v.shape[3], N=N, varlen=varlen)
-    kset = dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True).kset("chunk_fwd")
-    if cp.resolve_code(context_parallel, kset=kset, **kw):
-        return 0
-    return cp.resolve_code(context_parallel, kset=kset, backward=True, **kw)
+    fwd, bwd = _host_split(context_parallel, N, q, v, varlen)
+    return 0 if fwd else bwd
 
 
 def _starts(context_parallel: int, N: int, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple:
@@ -249,20 +249,21 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
         # l2-normalised keys: the warm-up's condition reads beta alone (`cp.windows`)
         o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
                                 state_v_first=state_v_first, plan=parts, backends=plan, keys_normalized=use_qk_l2norm)
-    elif starts[0]:     # the backward's partition start states (`_starts_every`)
-        parts = cp.make_plan(cu, B * T, starts[0], seq_len=None if cu_seqlens is not None else T,
-                             kset=plan.kset("chunk_bwd"))
-        o, ht, hp = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                                 state_v_first=state_v_first, partition_starts=(starts[0], parts.first_index, parts.P))
-    elif states >= 0:   # the backward's chunk states (`_saves_states`)
-        o, ht, hs = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                                 state_v_first=state_v_first, save_states=True)
     else:
-        o, ht = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                             state_v_first=state_v_first)
+        # the unsplit forward, saving what the backward reads where it needs it: its partition start states
+        # (`_starts_every`) or the chunk states (`_saves_states`), returned third
+        extra = {}
+        if starts[0]:
+            parts = cp.make_plan(cu, B * T, starts[0], seq_len=None if cu_seqlens is not None else T,
+                                 kset=plan.kset("chunk_bwd"))
+            extra = dict(partition_starts=(starts[0], parts.first_index, parts.P))
+        elif states >= 0:
+            extra = dict(save_states=True)
+        o, ht, *third = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
+                                     scale=scale, state_v_first=state_v_first, **extra)
     # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares, or a placeholder
-    got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, hp if starts[0] else None,
-           hs if states >= 0 else None)
+    got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, third[0] if starts[0] else None,
+           third[0] if states >= 0 else None)
     saved = [q.new_empty(0) if m is None else x.to(m[1]) for x, m in zip(got, meta)]
     return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q)), *saved)
 

@@ -692,17 +692,15 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         launch of (N + 1) * HV * V / 64 CTAs ((N + 1) * HV * (K + V) / 64 with transitions); no host
         synchronisation.
     """
-    if save_states:
-        assert not (chunk_skip is not None or zero_values or states_only or partition_starts is not None
-                    or transitions), "save_states: not with the context-parallel options"
-        o, hs, ht = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=True)
-        return o, ht, hs
+    # (`_launch` rejects save_states with the other context-parallel options; states_only is state_recompute's)
+    assert not (save_states and states_only), "save_states: not with states_only (state_recompute)"
     o, ht, third = _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=scale,
-                           state_v_first=state_v_first, chunk_size=chunk_size, save_states=False,
+                           state_v_first=state_v_first, chunk_size=chunk_size, save_states=save_states,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
                            transition_skip=transition_skip)
+    if save_states:
+        return o, third, ht          # `_launch` returns (o, hs, ht)
     return (o, ht) if partition_starts is None and not transitions else (o, ht, third)
 
 

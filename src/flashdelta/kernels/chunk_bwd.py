@@ -62,8 +62,9 @@ stalls queued the reloads of spilled addresses behind them). A ragged chunk's dq
 sequence), and dv, go by plain stores through one 64-bit row base per chunk (`_ptx.STORE_ACC_PRELUDE`,
 `_ptx.STORE_DVT_PRELUDE`). At two value heads per key head (`group_add`) the GVA sum happens here instead: dq and dk
 are ``[1, T, H, K]``, zeroed by the launcher, and each value head's rounded tile is added into its key head's rows by
-a TMA reduce-add (red.global.add on a ragged chunk), which is exact in either order (0 + a + b = round(a + b), the
-group_sum's result bit for bit), so no pass reads the per-value-head gradients back.
+a TMA reduce-add (red.global.add on a ragged chunk), issued and waited for as the stores are, which is exact in
+either order (0 + a + b = round(a + b), the group_sum's result bit for bit), so no pass reads the per-value-head
+gradients back.
 bench/dev/chunk_bwd_protocol.py models the synchronisation (barrier counts, parities, every tile's reads against
 its writes).
 
@@ -76,6 +77,7 @@ offsets are int64, so tensors past 2^31 elements work.
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import tilelang.language as T
 import torch
+from tilelang import tvm
 
 from . import _ptx, _tl, timeline
 
@@ -84,6 +86,9 @@ BT = 64
 # at K = 128) and 64 columns of every [BT, K] product (dq, dk)
 HEAD_DIMS = ((128, 128), (64, 64))
 DTYPES = (torch.bfloat16, torch.float16)   # q, k, v, A, do, dv
+# cuda.h's CUtensorMapDataType of dq and dk (the group_add reduce-add's descriptor) and their element size
+TMA_DTYPE = {"bfloat16": 9, "float16": 6}
+ESIZE = 2
 LOG2E = 1.4426950408889634
 # the chain's [V, *] products: state warpgroup w owns value rows [64 w, 64 w + 64) of dS^T and of the [V, BT] chain
 # tiles, so the chain needs no exchange between the state warpgroups
@@ -191,6 +196,22 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         T.call_extern("handle", f"fd_rowsum64_part<{KC}>", x_f.data, T.address_of(rs_s[q, wg, 0]), tx)
 
     @T.macro
+    def reduce_add_tile(dst, src_s, s_off, k0, t0, i_hq):
+        # dst[0, t0:t0 + BT, i_hq, k0:k0 + KC] += the [BT, KC] 128-byte-swizzled block of src_s at element offset
+        # s_off: one TMA reduce-add, committed and not waited for. T.atomic_add(use_tma=True) issues the same
+        # instruction but then waits for its shared reads at once, which holds the state warpgroups; here the wait
+        # is the plain stores' one, before the tile is written again. The descriptor is the one T.atomic_add
+        # builds: dims (K, T, HQ, 1) innermost first, byte strides, a (KC, BT, 1, 1) box, 128-byte swizzle, L2
+        # promotion 128 B (cuda.h's CUtensorMap enums).
+        desc = T.create_tma_descriptor(
+            TMA_DTYPE[dtype], 4, dst.data, K, T_, HQ, 1,
+            ESIZE, HQ * K * ESIZE, K * ESIZE, T.cast(T_, "int64") * (HQ * K * ESIZE),
+            KC, BT, 1, 1, 1, 1, 1, 1, 0, 3, 2, 0)
+        T.call_intrin("handle", tvm.tirx.op.Op.get("tl.tma_store"), desc,
+                      src_s.access_ptr("r", offset=s_off, extent=BT * KC), k0, t0, i_hq, 0, 1, 0)
+        T.tma_store_arrive()
+
+    @T.macro
     def store_tile(x_f, dst, ds_s, r0, t0, ln, i_hq, wg, tx):
         # the state warpgroups' [BT, K] fp32 accumulator (dq or dk) to dst rows [t0, t0 + ln) in q's dtype: a full
         # chunk through rows [r0, r0 + BT) of ds_s (free until the next chunk's dS1^T) and TMA stores issued by
@@ -203,8 +224,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
             for w in range(NSW):
                 # one TMA store per 64 columns: a [BT, K] region of ds_s is not one 128-byte-swizzled box
                 if group_add:
-                    T.atomic_add(dst[0, t0:t0 + BT, i_hq, w * KC:(w + 1) * KC], ds_s[r0:r0 + BT, w * KC:(w + 1) * KC],
-                                 use_tma=True)
+                    if tx == 0:
+                        reduce_add_tile(dst, ds_s, w * V * KC + r0 * KC, w * KC, t0, i_hq)
                 else:
                     T.tma_copy(ds_s[r0:r0 + BT, w * KC:(w + 1) * KC], dst[0, t0:t0 + BT, i_hq, w * KC:(w + 1) * KC])
         else:

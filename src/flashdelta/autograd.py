@@ -35,6 +35,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import cp, dispatch
+from .cp_model import ENV_SAVE_STATES, save_states_enabled
 from .gates import beta_activation_bwd, gdn_gate_bwd
 from .stages import KernelSet
 
@@ -74,20 +75,6 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 
 # the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
 _SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts", "states")
-
-# 1 (default): the training forward saves the state entering every chunk for chunk_bwd; 0: the backward recomputes
-# them (stage state_recompute), so nothing of that size is held from the forward to the backward
-ENV_SAVE_STATES = "FLASHDELTA_SAVE_STATES"
-
-
-def save_states_enabled() -> bool:
-    """`ENV_SAVE_STATES`, validated: whether the training forward may save the backward's chunk states."""
-    raw = os.environ.get(ENV_SAVE_STATES, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV_SAVE_STATES}={raw!r}: expected 1 (the training forward saves the backward's chunk "
-                         f"states, the default) or 0 (the backward recomputes them: less memory held between the "
-                         f"passes)")
-    return raw == "1"
 
 
 def _saves_states(context_parallel: int, plan: dispatch.Plan, N: int, q: Tensor, v: Tensor, varlen: bool) -> bool:

@@ -210,11 +210,14 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
 def auto_lengths(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
                  force: bool = False, warmup: Optional[bool] = None, backward: bool = True) -> tuple:
     """(forward L, backward L) of `decide`'s cost models (0: serial; `backward` False: the backward stays serial).
-    Where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan),
-    which the backward's model counts."""
+    Where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan)
+    for a split backward, or, where `ENV_SAVE_STATES` allows it, every chunk state for a serial one (no
+    state_recompute): the backward's model counts both."""
     kw = dict(T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
     fwd = choose(**kw)
-    return fwd, (choose_bwd(**kw, starts_saved=fwd == 0) if backward else 0)
+    if not backward:
+        return fwd, 0
+    return fwd, choose_bwd(**kw, starts_saved=fwd == 0, states_saved=fwd == 0 and cp_model.save_states_enabled())
 
 
 def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int,

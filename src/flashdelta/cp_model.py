@@ -30,6 +30,22 @@ WARMUP_THRESHOLD = -10.0
 # float64 calls ask for more than a truncation at e^-10 gives and stay exact unless the request says otherwise
 WARMUP_DTYPES = (torch.bfloat16, torch.float16)
 
+# ---- the training forward's saved chunk states (`autograd._saves_states`): where the forward and the backward both
+# run unsplit on one native backend, the forward writes the state entering every chunk and the backward reads it
+# instead of running state_recompute; 0 keeps the recompute (less memory held from the forward to the backward)
+ENV_SAVE_STATES = "FLASHDELTA_SAVE_STATES"
+
+
+def save_states_enabled() -> bool:
+    """`ENV_SAVE_STATES`, validated: whether the training forward may save the backward's chunk states."""
+    raw = os.environ.get(ENV_SAVE_STATES, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV_SAVE_STATES}={raw!r}: expected 1 (the training forward saves the backward's chunk "
+                         f"states, the default) or 0 (the backward recomputes them: less memory held between the "
+                         f"passes)")
+    return raw == "1"
+
+
 # ---- cost model constants (microseconds on an H200, 132 SMs, bf16, K = V = 128); `bench/dev/fit_cp.py` refits
 # them. The fused forward takes `items x (chunks x c + o)` on the busiest SM; the values are bench/dev/fit_cp.py's
 # least-squares fit on the H200 (heads 2/8 and 4/16, 1x32768 .. 4096x8, partition lengths 16-128:
@@ -88,6 +104,10 @@ BWD_ITEM_US = 3.8               # chunk_bwd per CTA: dht load, pipeline fill, dh
 BWD_LAUNCH_US = 32.3            # chunk_bwd per launch, fixed
 BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
 RECOMPUTE_FACTOR = 1.14         # state_recompute's time over the forward pass model's
+# what writing the chunk states adds to the unsplit training forward (`ENV_SAVE_STATES`), over the forward pass
+# model's time: the saving forward measured +16-40% (mean 26%) of the plain one at 16/32, 16/64, 2/8 and 2/4 on an
+# H100 (bench/results/h100/2026-12-05_74bc452_saved_states_ab.txt); the serial backward then runs no recompute
+SAVE_STATES_FACTOR = 0.26
 START_GRAD_FACTOR = 0.44        # chunk_dstate (F) over chunk_bwd per CTA: 6 of its 19 GEMMs, no states
 BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
 MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
@@ -310,9 +330,11 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
 
 
 def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, lengths=None,
-                seq_len: Optional[int] = None, warmup: Optional[bool] = None, starts_saved: bool = False) -> dict:
+                seq_len: Optional[int] = None, warmup: Optional[bool] = None, starts_saved: bool = False,
+                states_saved: bool = False) -> dict:
     """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
-    whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
+    whole sequences; with `states_saved`, the forward's cost of saving the chunk states, `SAVE_STATES_FACTOR`,
+    instead of the recompute) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
     partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
     chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
     way and are left out.
@@ -329,7 +351,8 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
     NV, NK = max(1, V // 64), max(1, K // 64)
     whole = [(c, 1) for c in chunks]
-    serial_states = RECOMPUTE_FACTOR * _pass_us([(c, n * HV * NV) for c, n in whole], sms)
+    serial_states = ((SAVE_STATES_FACTOR if states_saved else RECOMPUTE_FACTOR)
+                     * _pass_us([(c, n * HV * NV) for c, n in whole], sms))
     serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
     parts = _parts(chunks, L).items()
     P, J = bounds(T, N, L, seq_len)
@@ -353,7 +376,7 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     return dict(serial=serial_states + serial_bwd, serial_states=serial_states, serial_bwd=serial_bwd,
                 cp=rest + m + start, cp_worst=rest + m_exact + exact, warmup=warm, warmup_us=fixed, m=m, e=e,
                 scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J,
-                starts_saved=bool(starts_saved))
+                starts_saved=bool(starts_saved), states_saved=bool(states_saved))
 
 
 def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,
@@ -382,11 +405,13 @@ def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int
 
 
 def choose_bwd(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
-               force: bool = False, warmup: Optional[bool] = None, starts_saved: bool = False) -> int:
+               force: bool = False, warmup: Optional[bool] = None, starts_saved: bool = False,
+               states_saved: bool = False) -> int:
     """The backward's partition length (chunks) by `predict_bwd` over `CANDIDATE_L_BWD`, or 0 (serial); `force`
-    as in `choose`, `warmup` and `starts_saved` as `predict_bwd` takes them."""
+    as in `choose`, `warmup`, `starts_saved` and `states_saved` as `predict_bwd` takes them."""
     return _best(predict_bwd, CANDIDATE_L_BWD, MIN_SEQ_CHUNKS_BWD, T=T, N=N, HV=HV, K=K, V=V, sms=sms,
-                 lengths=lengths, seq_len=seq_len, force=force, warmup=warmup, starts_saved=starts_saved)
+                 lengths=lengths, seq_len=seq_len, force=force, warmup=warmup, starts_saved=starts_saved,
+                 states_saved=states_saved)
 
 
 def choose(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _helpers import Case, assert_close, make_inputs, split_backward_only
-from flashdelta import chunk_gated_delta_rule, cp, dispatch, portable
+from flashdelta import chunk_gated_delta_rule, cp, cp_model, dispatch, portable
 from flashdelta.reference import cp as rcp
 from flashdelta.stages import KernelSet, Stage
 
@@ -487,3 +487,22 @@ def test_decide_on_the_cost_model(monkeypatch):
                            **kb) == 0                                       # chunk_bwd on the portable path
     with pytest.raises(ValueError, match="code"):
         cp.decode(cp.CP_AUTO)
+
+
+def test_backward_model_prices_the_saved_states(monkeypatch):
+    """Where the unsplit forward saves every chunk state for a serial backward (FLASHDELTA_SAVE_STATES, default on),
+    the serial backward runs no state_recompute: the model prices the forward's state stores instead, so a row
+    whose split paid only against the recompute stays serial (16/64 166+182+7147+697), and rows that fill too few
+    SMs still split (16/32 1x8192)."""
+    lengths = [166, 182, 7147, 697]
+    kw = dict(T=sum(lengths), N=len(lengths), HV=64, K=128, V=128, sms=132, lengths=lengths)
+    saved = cp.predict_bwd(L=24, starts_saved=True, states_saved=True, **kw)
+    recompute = cp.predict_bwd(L=24, starts_saved=True, **kw)
+    assert saved["serial_bwd"] == recompute["serial_bwd"] and saved["cp"] == recompute["cp"]
+    assert saved["serial_states"] == pytest.approx(
+        recompute["serial_states"] * cp_model.SAVE_STATES_FACTOR / cp_model.RECOMPUTE_FACTOR)
+    monkeypatch.delenv(cp_model.ENV_SAVE_STATES, raising=False)
+    assert cp.auto_lengths(**kw) == (0, 0)
+    assert cp.auto_lengths(**dict(kw, HV=32, T=8192, N=1, lengths=[8192]))[1] > 0
+    monkeypatch.setenv(cp_model.ENV_SAVE_STATES, "0")
+    assert cp.auto_lengths(**kw) == (0, 24)

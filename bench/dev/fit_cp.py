@@ -35,9 +35,9 @@ given, fp32 beta):
   (the backward's windows, the mean over the rows; the measured fallback share and window length print beside
   `WARMUP_FALLBACK` and `WARMUP_CHUNKS`);
 - the table of chosen vs best (forward + backward time of each backward L, off, auto; the backward's L the model
-  picks with the shipped constants as `cp.decide` asks (without saved starts) and with the fitted constants and
-  ``starts_saved`` where the forward stays serial) and `cp.predict_bwd`'s prediction (``starts_saved`` likewise)
-  beside each measured L.
+  picks with the shipped and with the fitted constants, as `cp.decide` asks: ``starts_saved`` and ``states_saved``
+  where the forward stays serial) and `cp.predict_bwd`'s prediction (the same) beside each measured L;
+  `SAVE_STATES_FACTOR` (the saving forward's extra time over the forward pass model, serial).
 
     source .device/bootstrap.sh; python3 -u bench/dev/fit_cp.py            # the whole grid (~4-6 min)
     python3 -u bench/dev/fit_cp.py --heads 2/8 --seqlens 1x32768 --L 32 64  # one row
@@ -390,9 +390,11 @@ def bwd_main(args):
     stream = torch.cuda.Stream()
     flush = timing.L2Flush()
     bwd_rows, bwd_y, states_model, states_y, dstate_y, dstate_bwd, table = [], [], [], [], [], [], []
+    save_model, save_y = [], []      # the saving forward's extra time over the forward pass model
     grad_windows_us = []
     print(f"SMs {sms}; shipped constants: " + ", ".join(
         f"{n}={getattr(cp_model, n)}" for n in ("BWD_CHUNK_US", "BWD_ITEM_US", "BWD_LAUNCH_US", "RECOMPUTE_FACTOR",
+                                                "SAVE_STATES_FACTOR",
                                                 "START_GRAD_FACTOR", "BWD_FIXED_US", "SCAN_STEP_US",
                                                 "WARMUP_BWD_US", "WARMUP_FALLBACK", "WARMUP_CHUNKS")))
     for hh in args.heads:
@@ -406,7 +408,9 @@ def bwd_main(args):
             T, N = q.shape[1], len(seqlens)
             kw = dict(T=T, N=N, HV=HV, K=128, V=128, sms=sms, lengths=list(seqlens))
             Lf = cp.choose(**kw)
-            kwb = dict(kw, starts_saved=Lf == 0)    # the unsplit forward saves the backward's partition starts
+            # the unsplit forward saves the backward's partition starts (a split backward) or, by default, every
+            # chunk state (a serial one), as `cp.auto_lengths` decides
+            kwb = dict(kw, starts_saved=Lf == 0, states_saved=Lf == 0 and cp_model.save_states_enabled())
             g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
             h_serial = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu)
 
@@ -423,10 +427,13 @@ def bwd_main(args):
             steps = {"fb_off": lambda: fb_api(context_parallel=False),
                      "fb_auto": lambda: fb_api(cu_seqlens_cpu=inp.cu_host),
                      "states_serial": lambda: fused_fwd.state_recompute(k, v, g_cumsum, beta, A, h0, cu),
+                     "fwd_serial": lambda: fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
+                     "fwd_save_serial": lambda: fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale,
+                                                                    save_states=True),
                      "bwd_pass_serial": lambda: kbwd.chunk_bwd(q, k, v, g_cumsum, beta, A, h_serial, do, dht, cu,
                                                                scale=scale)}
             plans, gwins = {}, {}
-            for L in sorted(set(args.L) | {cp.choose_bwd(**kw), cp.choose_bwd(**kwb)} - {0}):
+            for L in sorted(set(args.L) | {cp.choose_bwd(**kwb)} - {0}):
                 if L >= -(-max(seqlens) // 64):
                     continue
                 plan = plans[L] = cp.make_plan(cu, T, L)
@@ -465,6 +472,9 @@ def bwd_main(args):
             bwd_y.append(us["bwd_pass_serial"])
             states_model.append(cp_model._pass_us([(c, n * HV * 2) for c, n in whole], sms))
             states_y.append(us["states_serial"])
+            if "fwd_serial" in us and "fwd_save_serial" in us:
+                save_model.append(states_model[-1])
+                save_y.append(us["fwd_save_serial"] - us["fwd_serial"])
             for L in plans:
                 items = _items(seqlens, L)
                 if f"bwd_pass_L{L}" in us:
@@ -500,9 +510,9 @@ def bwd_main(args):
             best_L = min(fbt, key=fbt.get) if fbt and min(fbt.values()) < us["fb_off"] else 0
             pred = {L: cp.predict_bwd(L=L, **kwb) for L in plans}
             table.append(dict(heads=hh, seqlens=sl, kw=kw, off=us["fb_off"], auto=us["fb_auto"], fb=fbt, best=best,
-                              best_L=best_L, chosen=cp.choose_bwd(**kw), Lf=Lf, kwb=kwb))
+                              best_L=best_L, chosen=cp.choose_bwd(**kwb), Lf=Lf, kwb=kwb))
             print(f"{hh:>6} {sl:>10}  fwd+bwd off {us['fb_off']:9.1f} us  auto(fwd L={Lf}, bwd L="
-                  f"{cp.choose_bwd(**kw)}) {us['fb_auto']:9.1f}  "
+                  f"{cp.choose_bwd(**kwb)}) {us['fb_auto']:9.1f}  "
                   + "  ".join(f"L{L} {t:9.1f}" for L, t in fbt.items()), flush=True)
             ser = cp.predict_bwd(L=1, **kwb)
             print(f"{'':>17}  chunk_bwd serial {us['bwd_pass_serial']:.1f} (model {ser['serial_bwd']:.1f}), "
@@ -521,6 +531,8 @@ def bwd_main(args):
         fit.update(BWD_LAUNCH_US=launch, BWD_CHUNK_US=c, BWD_ITEM_US=o)
     if states_y:
         fit.update(RECOMPUTE_FACTOR=sum(states_y) / sum(states_model))
+    if save_y:
+        fit.update(SAVE_STATES_FACTOR=sum(save_y) / sum(save_model))
     if dstate_y:
         fit.update(START_GRAD_FACTOR=sum(dstate_y) / sum(dstate_bwd))
     if grad_windows_us:

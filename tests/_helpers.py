@@ -127,8 +127,9 @@ def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0
 
 def split_backward_only(monkeypatch) -> list:
     """Make `cp.decide` code the backward split alone (its own L, the forward serial), as auto does where the serial
-    forward fills the GPU, so that the forward saves the backward's partition start states; returns the list that
-    collects every `cp.cp_chunk_bwd` call's (L, starts)."""
+    forward fills the GPU, so that the forward saves what the split backward reads (every chunk state on a native
+    backend, `autograd._saves_states`, else the partition start states); returns the list that collects every
+    `cp.cp_chunk_bwd` call's (L, starts, states)."""
     from flashdelta import cp
 
     calls = []
@@ -139,7 +140,7 @@ def split_backward_only(monkeypatch) -> list:
         return cp.encode(0, cp.decode(code)[1]) if code > 0 else code
 
     def bwd(*a, **kw):
-        calls.append((kw["plan"].L, kw.get("starts")))
+        calls.append((kw["plan"].L, kw.get("starts"), kw.get("states")))
         return real_bwd(*a, **kw)
 
     monkeypatch.setattr(cp, "decide", decide)

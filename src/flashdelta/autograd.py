@@ -79,17 +79,18 @@ _SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "
 
 def _saves_states(context_parallel: int, plan: dispatch.Plan, N: int, q: Tensor, v: Tensor, varlen: bool) -> bool:
     """Whether the training forward saves the state entering every chunk (`_SAVED` ``states``) for the backward's
-    chunk_bwd, which then runs no state_recompute: where `ENV_SAVE_STATES` allows it, one native backend runs
-    chunk_fwd and chunk_bwd (the states are private to it, `stages.COUPLED`) and neither pass is split by context
-    parallelism on a code decided on the host (a traced code, `cp.CP_AUTO` / `cp.CP_ON`, is settled inside each op,
-    so the forward cannot know the backward's split and saves none). The fused forward then writes 512 B per token
-    and value head (K = V = 128, bf16) that live until the backward; the recompute costs about a forward."""
+    chunk_bwd, which then runs no state_recompute, serial or split by context parallelism (`cp.cp_chunk_bwd`'s
+    `states`): where `ENV_SAVE_STATES` allows it, one native backend runs chunk_fwd and chunk_bwd (the states are
+    private to it, `stages.COUPLED`) and the forward is not split on a code decided on the host (a traced code,
+    `cp.CP_AUTO` / `cp.CP_ON`, is settled inside each op, so the forward cannot know its own split and saves none).
+    The fused forward then writes 512 B per token and value head (K = V = 128, bf16) that live until the backward;
+    the recompute costs about a forward."""
     if not save_states_enabled() or context_parallel < 0:
         return False
     backend = plan.backends["chunk_fwd"]
     if backend == dispatch.PORTABLE or plan.backends["chunk_bwd"] != backend:
         return False
-    return _host_split(context_parallel, N, q, v, varlen) == (0, 0)
+    return _host_split(context_parallel, N, q, v, varlen)[0] == 0
 
 
 def _host_split(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool) -> tuple:
@@ -108,7 +109,8 @@ def _starts_every(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: b
     ``cp_starts``; 0: none): where the call's CP code (decided on the host, > 0) splits the backward but not the
     forward, the unsplit forward walks every partition boundary anyway, and its fp32 states there replace the CP
     backward's E pass and forward scan (`cp.cp_chunk_bwd`'s `starts`). Traced calls (`cp.CP_AUTO`, `cp.CP_ON`,
-    settled inside each op) save none."""
+    settled inside each op) save none, and neither does a forward that saves every chunk state (`_saves_states`),
+    which the split backward reads instead."""
     fwd, bwd = _host_split(context_parallel, N, q, v, varlen)
     return 0 if fwd else bwd
 
@@ -211,9 +213,9 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
-    starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd else (0, 0)
     plan = _plan(q, v, need_bwd)
     states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
+    starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
         ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
@@ -272,9 +274,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
-    starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd else (0, 0)
     plan = dispatch.plan(q.device, K, V, q.dtype, need_bwd=need_bwd)
     states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
+    starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
     return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)),
             *(q.new_empty(0) if m is None else q.new_empty(m[0], dtype=m[1]) for m in meta))
@@ -323,7 +325,8 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T, kset=ks)
         dq, dk, dv, dbeta, dG, dh0 = cp.cp_chunk_bwd(qf, kf, vf, g_cumsum, bf, A, initial_state, _flat(do), dht, cu,
                                                      scale=scale, state_v_first=state_v_first, plan=parts,
-                                                     backends=plan, keys_normalized=use_qk_l2norm, starts=cp_starts)
+                                                     backends=plan, keys_normalized=use_qk_l2norm, starts=cp_starts,
+                                                     states=states)
     else:
         h = states if states is not None else ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A,
                                                                  _param(initial_state, ks), cu,

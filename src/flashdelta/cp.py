@@ -210,9 +210,9 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
 def auto_lengths(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
                  force: bool = False, warmup: Optional[bool] = None, backward: bool = True) -> tuple:
     """(forward L, backward L) of `decide`'s cost models (0: serial; `backward` False: the backward stays serial).
-    Where the forward stays unsplit it saves the backward's partition start states (no E pass, no forward scan)
-    for a split backward, or, where `ENV_SAVE_STATES` allows it, every chunk state for a serial one (no
-    state_recompute): the backward's model counts both."""
+    Where the forward stays unsplit it saves every chunk state (`ENV_SAVE_STATES`, default on: no state_recompute,
+    serial or over the partitions, no E pass, no forward scan), else the partition start states of a split
+    backward (no E pass, no forward scan): the backward's model counts either."""
     kw = dict(T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
     fwd = choose(**kw)
     if not backward:
@@ -779,7 +779,7 @@ def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, sca
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
-                 starts: Optional[Tensor] = None):
+                 starts: Optional[Tensor] = None, states: Optional[Tensor] = None):
     """The `state_recompute` and `chunk_bwd` stages (docs/stages.md) through the partitions of `plan`
     (`make_plan` of the same cu_seqlens): what `chunk_bwd` returns for the whole sequences, ``(dq, dk
     [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``,
@@ -802,7 +802,10 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     `starts` (``[P, HV, K, V]``, the start state of every partition of `plan`, K-first: the training forward's
     `chunk_fwd(partition_starts=...)` output where the forward ran unsplit) replaces the E pass and the forward scan;
     the M pass then walks only the partitions and heads whose M the reverse scan reads (the fallback heads of
-    partitions that are not their sequence's first, `GradWindows.fallback`).
+    partitions that are not their sequence's first, `GradWindows.fallback`). `states` (stage ``h`` of the chunk_bwd
+    kernel set over the whole sequences: the training forward's `chunk_fwd(save_states=True)` output where it ran
+    unsplit, K-first) replaces the start states and the state_recompute over the partitions as well: chunk_bwd reads
+    every chunk's state from it (`h_seqs`, docs/stages.md), and the M pass is the one `starts` runs.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
@@ -813,7 +816,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
     win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
-    if starts is None:
+    if starts is None and states is None:
         M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd)
         h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
         scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
@@ -822,7 +825,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         if thr is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
             M.masked_fill_(~win.fallback[:, :, None, None], 0)
     else:
-        if tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
+        if states is None and tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
             raise ValueError(f"starts: [P, HV, K, V] = {[plan.P, v.shape[2], k.shape[-1], v.shape[-1]]} for this "
                              f"plan, got {list(starts.shape)}")
         H = starts
@@ -831,14 +834,18 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
                          A, plan, win.fallback, skip, scale=scale, chunk_fwd=fks.chunk_fwd, state_dtype=sd)
         scan = scan or ("kernel" if _kernel_scan(M, fks) else None)
     b = _as_param(beta, bks)
-    h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
+    if states is None:
+        h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
+        h_seqs = None
+    else:
+        h, h_seqs = states, plan.seq
     Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
                       take=win.take)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
-                                                state_v_first=False)
+                                                state_v_first=False, h_seqs=h_seqs)
     dh0 = dh0p.index_select(0, plan.first_index)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()
@@ -852,8 +859,10 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     output pass (width V with an fp32 initial state, the serial pass's build at K = V), all K-first; with
     `backward`, also the backward's summary passes (the same without `chunk_skip`), the M pass alone over the
     fallback heads where the forward saved the partition starts (width K from the identity, zero values, with
-    `chunk_skip`), its state_recompute (fp32 start states), chunk_bwd (with dht), K-first, and chunk_dstate with and
-    without `chunk_take` (the exact F and the warm-up's windows), where chunk_bwd supports (K, V). A V-first
+    `chunk_skip`), chunk_bwd (with dht) on the forward's saved chunk states (`h_seqs`) and, for
+    `FLASHDELTA_SAVE_STATES=0`, state_recompute (fp32 start states) and chunk_bwd on its states, K-first, and
+    chunk_dstate with and without `chunk_take` (the exact F and the warm-up's windows), where chunk_bwd supports
+    (K, V). A V-first
     caller's serial path uses its own V-first builds, CP these. The scan kernel's builds (`kernels.cp_scan`: with
     and without h0 / dht, both V tiles) where it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for
     every plan), the forward warm-up's windows kernel (`kernels.cp_windows`, with and without keys_normalized; with
@@ -875,7 +884,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
                     zero_values=True, states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
-        todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,))
+        todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,), h_seqs=(True, False))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))
         todo += item_order.launcher_builds(descending=(True,))
     if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)

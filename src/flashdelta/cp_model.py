@@ -104,10 +104,14 @@ BWD_ITEM_US = 3.8               # chunk_bwd per CTA: dht load, pipeline fill, dh
 BWD_LAUNCH_US = 32.3            # chunk_bwd per launch, fixed
 BWD_CTAS_PER_SM = 1             # chunk_bwd CTAs resident per SM (shared memory)
 RECOMPUTE_FACTOR = 1.14         # state_recompute's time over the forward pass model's
-# what writing the chunk states adds to the unsplit training forward (`ENV_SAVE_STATES`), over the forward pass
-# model's time: the saving forward measured +16-40% (mean 26%) of the plain one at 16/32, 16/64, 2/8 and 2/4 on an
-# H100 (bench/results/h100/2026-12-05_74bc452_saved_states_ab.txt); the serial backward then runs no recompute
-SAVE_STATES_FACTOR = 0.26
+# what writing the chunk states (bf16 S0^T, K V 2 bytes per chunk and value head) adds to the unsplit training
+# forward (`ENV_SAVE_STATES`): at least SAVE_STATES_FACTOR of the forward pass model's time, or the bytes at
+# SAVE_STATES_TBPS where that takes longer. Measured on an H100 (bench/results/h100/2026-12-05_74bc452_saved_states_ab
+# .txt, us added / MB): 16/32 1x8192 +42 / 136, 6413+6673+10954+8728 +201 / 542, 16/64 8192x4 +371 / 1084, 1024x8
+# +79 / 287 (bandwidth: 3.0 TB/s gives 45, 181, 361, 96), 2/8 1x32768 +108 / 135, 2/4 1x8192 +28 / 17 (few CTAs:
+# 16% of the forward)
+SAVE_STATES_FACTOR = 0.16
+SAVE_STATES_TBPS = 3.0
 START_GRAD_FACTOR = 0.44        # chunk_dstate (F) over chunk_bwd per CTA: 6 of its 19 GEMMs, no states
 BWD_FIXED_US = 30.0             # CP backward's small kernels: plan, zero gradients, gathers (a guess)
 MIN_SEQ_CHUNKS_BWD = 16         # auto: no split of a backward whose longest sequence has fewer chunks (1024 tokens)
@@ -333,8 +337,7 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
                 seq_len: Optional[int] = None, warmup: Optional[bool] = None, starts_saved: bool = False,
                 states_saved: bool = False) -> dict:
     """Predicted microseconds of the serial backward's partition-dependent stages (state_recompute + chunk_bwd over
-    whole sequences; with `states_saved`, the forward's cost of saving the chunk states, `SAVE_STATES_FACTOR`,
-    instead of the recompute) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
+    whole sequences) and of CP's with L-chunk partitions: the M and E passes, the scan, state_recompute over the
     partitions, chunk_dstate (`START_GRAD_FACTOR` of a chunk_bwd), the reverse scan, the second
     chunk_bwd and the small kernels (`BWD_FIXED_US`). prepare_fwd, group_sum and prepare_bwd run the same either
     way and are left out.
@@ -345,26 +348,30 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     falls back). Otherwise both are the exact path's time. `starts_saved`: the unsplit forward saved the
     partitions' start states (`cp.cp_chunk_bwd`'s `starts`): no E pass and no forward scan, and the M pass walks
     only the partitions that are not their sequence's first, with the warm-up only its fallback heads
-    (`WARMUP_FALLBACK`)."""
+    (`WARMUP_FALLBACK`). `states_saved`: the unsplit forward saves every chunk state instead (`ENV_SAVE_STATES`), for
+    the price of its state stores (`save_states_us`, in both paths' times): neither the serial backward nor CP's
+    runs a state_recompute (on the backward grid's rows with an unsplit forward the stores cost 0.27-0.91x CP's
+    recompute over the partitions, and 0.14-0.42x the serial recompute)."""
     if warmup is None:
         warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
     NV, NK = max(1, V // 64), max(1, K // 64)
     whole = [(c, 1) for c in chunks]
-    serial_states = ((SAVE_STATES_FACTOR if states_saved else RECOMPUTE_FACTOR)
-                     * _pass_us([(c, n * HV * NV) for c, n in whole], sms))
+    fwd_pass = _pass_us([(c, n * HV * NV) for c, n in whole], sms)
+    save = save_states_us(T=T, HV=HV, K=K, V=V, fwd_us=fwd_pass) if states_saved else None
+    serial_states = save if states_saved else RECOMPUTE_FACTOR * fwd_pass
     serial_bwd = _bwd_pass_us([(c, n * HV) for c, n in whole], sms)
     parts = _parts(chunks, L).items()
     P, J = bounds(T, N, L, seq_len)
     scan_us, scan = scan_cost(P, J, HV, K, V, kernel=_kernel_dims(K, V), N=N)
-    states = RECOMPUTE_FACTOR * _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
+    states = save if states_saved else RECOMPUTE_FACTOR * _pass_us([(ch, n * HV * NV) for ch, n in parts], sms)
     bwd = _bwd_pass_us([(ch, n * HV) for ch, n in parts], sms)
     cont = _first_parts(chunks, L)
     exact = _start_us(cont, HV, sms)
     warm = bool(warmup) and warmup_pays_bwd(cont=cont, HV=HV, sms=sms)
     start = _start_us(cont, HV, sms, warmup=True) if warm else exact
     fixed = WARMUP_BWD_US if warm else 0.0
-    if starts_saved:
+    if starts_saved or states_saved:
         hf = _fallback_heads(HV)
         m_exact = _summary_pass_us([(ch, n * HV * NK) for ch, n in cont.items()], sms)
         m = _summary_pass_us([(ch, n * hf * NK) for ch, n in cont.items()], sms) if warm else m_exact
@@ -377,6 +384,12 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
                 cp=rest + m + start, cp_worst=rest + m_exact + exact, warmup=warm, warmup_us=fixed, m=m, e=e,
                 scan=scan_us, scan_method=scan, states=states, start=start, start_exact=exact, bwd=bwd, P=P, J=J,
                 starts_saved=bool(starts_saved), states_saved=bool(states_saved))
+
+
+def save_states_us(*, T: int, HV: int, K: int, V: int, fwd_us: float) -> float:
+    """What saving every chunk state adds to a forward of `fwd_us` over T tokens (the constants'
+    comment): ``max(SAVE_STATES_FACTOR x fwd_us, bytes / SAVE_STATES_TBPS)``."""
+    return max(SAVE_STATES_FACTOR * fwd_us, T / BT * HV * K * V * 2 / (SAVE_STATES_TBPS * 1e6))
 
 
 def _best(model, candidates, min_chunks: int, *, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths,

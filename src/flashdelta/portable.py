@@ -446,8 +446,11 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None, state_v_first=False,
-              chunk_size=64, compute_dtype=None, operand_dtype=None):
+              chunk_size=64, h_seqs=None, compute_dtype=None, operand_dtype=None):
     """Explicit chunked backward (docs/algorithm.md §3), chunks walked in reverse with dS carried.
+
+    `h_seqs` (docs/stages.md): h may come from the forward over the sequences that cu_seqlens' items are
+    chunk-aligned pieces of; this layout (global chunk order) is the same for both, so it is not read.
 
     Returns ``dq [1,T,HV,K]``, ``dk [1,T,HV,K]`` (per value head), ``dv [1,T,HV,V]``, ``dbeta [1,T,HV]``,
     ``dG [1,T,HV]`` (w.r.t. g_cumsum), all in compute_dtype, and ``dh0`` (state layout, float32/float64).

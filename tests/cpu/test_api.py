@@ -444,8 +444,9 @@ def test_backward_reuses_the_forwards_prepare(gate, monkeypatch):
 
 def test_saved_states_decision(monkeypatch):
     """The training forward saves the backward's chunk states only where one native backend runs chunk_fwd and
-    chunk_bwd, no pass is split on a host-decided CP code and FLASHDELTA_SAVE_STATES allows it; a traced code
-    (decided inside each op) saves none; a bad value of the variable raises at the call, naming it."""
+    chunk_bwd, the forward is not split on a host-decided CP code (a split backward reads them too, and then no
+    partition start states are saved) and FLASHDELTA_SAVE_STATES allows it; a traced code (decided inside each op)
+    saves none; a bad value of the variable raises at the call, naming it."""
     from flashdelta import autograd, cp
 
     q, v = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 4096, 4, 128, dtype=torch.bfloat16)
@@ -457,10 +458,11 @@ def test_saved_states_decision(monkeypatch):
     monkeypatch.delenv(autograd.ENV_SAVE_STATES, raising=False)
     assert saves(0, native) and not saves(0, mixed) and not saves(0, portable)
     assert not saves(cp.CP_AUTO, native) and not saves(cp.CP_ON, native)
-    assert not saves(cp.encode(4, 4), native) and not saves(cp.encode(0, 4), native)
-    assert not saves(cp.encode(4, 0), native)
+    assert not saves(cp.encode(4, 4), native) and saves(cp.encode(0, 4), native)
+    assert not saves(cp.encode(4, 0), native) and not saves(cp.encode(0, 4), mixed)
+    assert autograd._starts_every(cp.encode(0, 4), 1, q, v, False) == 4      # what it saves where states are not
     monkeypatch.setenv(autograd.ENV_SAVE_STATES, "0")
-    assert not saves(0, native)
+    assert not saves(0, native) and not saves(cp.encode(0, 4), native)
     meta = autograd._saved_meta(q, q, v, False, True, 0, native, states=3)
     assert meta[autograd._SAVED.index("states")] == ((4096 // 64 + 3 + 1, 4, 128, 128), torch.bfloat16)
     for bad in ("yes", "", "2"):

@@ -599,6 +599,14 @@ def test_cp_chunk_bwd_warmup_equals_the_reference_composite(case, L, thr):
                                dht, cu, scale=0.25)
         for name, a, b in zip(names, exact, serial):
             assert_close(name, a, b, tol=1e-12)
+        # the chunk states of the forward over the whole sequences (the training forward's saved h) in place of the
+        # start states and the recompute over the partitions: the same gradients, exact and with the warm-up
+        h_seq = ref.state_recompute(k, v, g_cumsum, beta, A, h0, cu)
+        for warmup, want_s in ((thr, got), ("off", serial)):
+            saved = cp.cp_chunk_bwd(q, k, v, g_cumsum, beta, A, h0, do, dht, cu, **kw, states=h_seq,
+                                    plan=cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup=warmup))
+            for name, a, b in zip(names, saved, want_s):
+                assert_close(name, a, b, tol=1e-12)
         if case.gate == "bench":    # (model gates' decaying heads truncate below float64 rounding)
             assert max(float((a - b).abs().max()) for a, b in zip(got, exact)) > 1e-12, "the warm-up truncated"
 

@@ -588,27 +588,32 @@ def _bwd_inputs(case, with_dht: bool):
     return x, do, torch.randn(shape, generator=gen, device="cuda") if with_dht else None
 
 
-@pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
+@pytest.mark.parametrize("mode", ["fwd_split", "fwd_serial", "fwd_serial_starts"])
 @pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
-def test_cp_backward_matches_recurrence_and_serial(i, fwd_split, monkeypatch):
-    """With the forward split too (the backward computes its partitions' start states) and with the forward serial
-    (it saves them, `chunk_fwd(partition_starts=...)`, and the backward reads them)."""
+def test_cp_backward_matches_recurrence_and_serial(i, mode, monkeypatch):
+    """With the forward split too (the backward computes its partitions' start states), with the forward serial
+    (it saves every chunk state, `chunk_fwd(save_states=True)`, and chunk_bwd reads them over the partitions:
+    `h_seqs`), and with the forward serial under FLASHDELTA_SAVE_STATES=0 (it saves the partitions' start states,
+    `chunk_fwd(partition_starts=...)`, and the backward recomputes the chunk states from them)."""
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     case, L = BWD_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.setenv("FLASHDELTA_SAVE_STATES", "0" if mode == "fwd_serial_starts" else "1")
     x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
     _, ser = _cp_grads(x, False, do, dht)
     calls = []
-    if fwd_split:
+    if mode == "fwd_split":
         real = cp.cp_chunk_bwd
-        monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append((kw["plan"].L, kw.get("starts")))
-                            or real(*a, **kw))
+        monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(
+            (kw["plan"].L, kw.get("starts"), kw.get("states"))) or real(*a, **kw))
     else:
         calls = split_backward_only(monkeypatch)
     o, got = _cp_grads(x, L, do, dht)
     assert [c[0] for c in calls] == [L], "the backward split"
-    assert (calls[0][1] is None) == fwd_split, "the saved start states are used exactly where the forward was serial"
+    _, starts, states = calls[0]
+    assert (starts is not None, states is not None) == {"fwd_split": (False, False), "fwd_serial": (False, True),
+                                                        "fwd_serial_starts": (True, False)}[mode], "what the forward saved"
     x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
            for n, t in x.items()}
     o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
@@ -630,8 +635,8 @@ AUTO_BWD = Case("cp-auto-bwd", (8192,), H=16, HV=32, K=128, V=128)
 
 
 def test_auto_splits_the_backward_alone(monkeypatch):
-    """16/32 1x8192: the forward fills 64 CTAs and stays serial (and saves the backward's partition start states);
-    the backward (32 CTAs of 128 chunks, ~11 us each) splits."""
+    """16/32 1x8192: the forward fills 64 CTAs and stays serial (and saves every chunk state, which the split
+    backward reads); the backward (32 CTAs of 128 chunks, ~11 us each) splits."""
     monkeypatch.delenv(cp.ENV_CP, raising=False)
     monkeypatch.delenv("FLASHDELTA_BACKEND", raising=False)
     x = make_inputs(AUTO_BWD, dtype=torch.bfloat16, device="cuda")
@@ -643,13 +648,15 @@ def test_auto_splits_the_backward_alone(monkeypatch):
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
     plans = []
     monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: bwd.append(kw["plan"].L) or plans.append(
-        (kw["plan"], kw.get("starts"))) or real_b(*a, **kw))
+        (kw["plan"], kw.get("starts"), kw.get("states"))) or real_b(*a, **kw))
+    monkeypatch.delenv("FLASHDELTA_SAVE_STATES", raising=False)
     _, auto = _cp_grads(x, None, do, None)
     assert fwd == [] and len(bwd) == 1 and bwd[0] > 0, (fwd, bwd)
-    plan, starts = plans[0]
+    plan, starts, states = plans[0]
     assert plan.warmup == "auto"
-    assert starts is not None and starts.shape == (plan.P, AUTO_BWD.HV, AUTO_BWD.K, AUTO_BWD.V), \
-        "the serial forward saved the partitions' start states"
+    T, N = sum(AUTO_BWD.seqlens), len(AUTO_BWD.seqlens)
+    assert starts is None and states is not None and states.shape == (T // 64 + N + 1, AUTO_BWD.HV, AUTO_BWD.V,
+                                                                       AUTO_BWD.K), "the serial forward's chunk states"
     _, off = _cp_grads(x, False, do, None)
     for n in auto:
         assert_close(GRAD_NAMES[n], auto[n], off[n], tol=2e-2)
@@ -698,15 +705,18 @@ BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=1
 BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 
-@pytest.mark.parametrize("warm,fwd_split", [(False, True), (True, True), (False, False)],
-                         ids=["exact", "warmup", "exact-fwd-serial"])
-def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, monkeypatch):
+@pytest.mark.parametrize("warm,fwd_split,save_states", [(False, True, "1"), (True, True, "1"), (False, False, "1"),
+                                                        (False, False, "0")],
+                         ids=["exact", "warmup", "exact-fwd-serial", "exact-fwd-serial-starts"])
+def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, save_states, monkeypatch):
     """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
     with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
     rounding. With the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1, benchmark gates: the backward's windows
     on the device) the replays also take new gates. With the forward serial (`fwd_split` False) the forward saves
-    the backward's partition start states inside the graph (its plan kernel and start-state stores)."""
+    every chunk state inside the graph, or with FLASHDELTA_SAVE_STATES=0 the backward's partition start states (its
+    plan kernel and start-state stores)."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.setenv("FLASHDELTA_SAVE_STATES", save_states)
     monkeypatch.setenv(cp.ENV_WARMUP, "1" if warm else "auto")
     case = BWD_WARM_GRAPH if warm else BWD_GRAPH
     x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -730,7 +740,8 @@ def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, mon
     if fwd_split:
         assert calls == [(4, "on" if warm else "auto")] * 2
     else:
-        assert [L for L, _ in starts] == [4, 4] and all(t is not None for _, t in starts), "the saved start states"
+        saved = [t[1 if save_states == "0" else 2] for t in starts]
+        assert [t[0] for t in starts] == [4, 4] and all(t is not None for t in saved), "what the forward saved"
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(g_graph, step()))

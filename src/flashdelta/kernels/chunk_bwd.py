@@ -149,11 +149,14 @@ def fetch_gates(c, bos, eos, i_hv, tx, g, beta, gl):
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: float, has_dht: bool,
-          state_v_first: bool, group_add: bool = False):
+          state_v_first: bool, group_add: bool = False, h_seqs: bool = False):
     """The kernel for one compile-time configuration; T (tokens), N (sequences) and the slot count are dynamic.
     group_add (G = 2): dq and dk are ``[1, T, H, K]``, zeroed by the caller, and each value head adds its rounded
     tile into its key head's rows (TMA reduce-add, red.global.add on a ragged chunk): the group sum, exact in either
-    order (0 + a + b = round(a + b)), so no group_sum pass reads them back. Without it the kernel is unchanged."""
+    order (0 + a + b = round(a + b)), so no group_sum pass reads them back. Without it the kernel is unchanged.
+    h_seqs: h was written over other sequences than cu_seqlens' items (the training forward's, over whole sequences,
+    where context parallelism splits the backward into partitions): item n's first chunk is h's slot
+    ``cu_seqlens[n] // BT + h_seq[n]``, its sequence's slot of that chunk (an extra int32 ``h_seq [N]``)."""
     # problem config
     G = HV // H
     acc = "float32"
@@ -163,6 +166,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
     N_ = T.dynamic("N")
     S_ = T.dynamic("S")
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
+    # without h_seqs `h_seq` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
+    h_seq_t = T.Tensor((N_,), "int32") if h_seqs else None
     # roles: V / 64 state warpgroups, one chunk warpgroup (which also issues the loads)
     NSW = V // 64               # state warpgroups
     ST = 128 * NSW              # state threads
@@ -268,6 +273,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
         dht: T.Tensor(state_shape, acc),
         cu_seqlens: T.Tensor((N_ + 1,), "int32"),
         seq_order: T.Tensor((N_ + 1,), "int32"),
+        h_seq: h_seq_t,
         dq: T.Tensor((1, T_, HQ, K), dtype),
         dk: T.Tensor((1, T_, HQ, K), dtype),
         dv: T.Tensor((1, T_, HV, V), dtype),
@@ -342,7 +348,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, scale: f
                 bos = cu_seqlens[i_n]
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
-                slot0 = bos // BT + i_n
+                slot0 = bos // BT + (h_seq[i_n] if h_seqs else i_n)
                 n64 = T.cast(i_n, "int64")
 
                 if tx < ST:
@@ -729,30 +735,36 @@ def group_add(H: int, HV: int) -> bool:
 
 
 def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
-                 has_dht: bool, state_v_first: bool) -> tuple:
+                 has_dht: bool, state_v_first: bool, h_seqs: bool = False) -> tuple:
     """The `build` arguments (its compile-cache key) for one call."""
     args = (H, HV, K, V, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], float(scale), bool(has_dht),
             bool(state_v_first))
+    if h_seqs:
+        return args + (group_add(H, HV), True)
     return args + (True,) if group_add(H, HV) else args
 
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float,
-                    dht=(False, True), state_v_first=(False,)) -> list:
+                    dht=(False, True), state_v_first=(False,), h_seqs=(False,)) -> list:
     """(label, builder, args) of every kernel `chunk_bwd` launches for these heads, dims and dtypes, with and without
-    a final-state gradient, in the given state layouts."""
-    return [(f"chunk_bwd H={H} HV={HV} K={K} V={V} dht={has_dht} v_first={vfirst}", build,
-             builder_args(H, HV, K, V, dtype, beta_dtype, scale, has_dht, vfirst))
-            for has_dht in dht for vfirst in state_v_first]
+    a final-state gradient, in the given state layouts, with or without `h_seqs`."""
+    return [(f"chunk_bwd H={H} HV={HV} K={K} V={V} dht={has_dht} v_first={vfirst}" + (" h_seqs" if hs else ""),
+             build, builder_args(H, HV, K, V, dtype, beta_dtype, scale, has_dht, vfirst, hs))
+            for has_dht in dht for vfirst in state_v_first for hs in h_seqs]
 
 
-def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, state_v_first=False, chunk_size=64):
+def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, state_v_first=False, chunk_size=64,
+              h_seqs=None):
     """Fused backward (docs/stages.md `chunk_bwd`).
 
     Args:
         q, k: ``[1, T, H, K]`` bf16/fp16; v, do: ``[1, T, HV, V]`` (do is cast to v's dtype); (K, V) in `HEAD_DIMS`.
         g_cumsum: ``[1, T, HV]`` fp32; beta: ``[1, T, HV]`` bf16, fp16 or fp32; A: ``[1, T, HV, BT]`` (q's dtype).
         h: ``[slots, HV, V, K]`` in q's dtype: the transposed state entering each chunk slot, from this backend's
-            `state_recompute`.
+            `state_recompute` (or the training forward's `chunk_fwd(save_states=True)`) over cu_seqlens, or with
+            h_seqs over the sequences cu_seqlens' items are pieces of.
+        h_seqs: None, or ``[N]`` integer: item n of cu_seqlens is a chunk-aligned piece (a context-parallel
+            partition) of sequence ``h_seqs[n]`` of the cu_seqlens h was made over.
         dht: gradient of the final state, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) fp32, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
 
@@ -788,9 +800,12 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
         return dq, dk, dv, dbeta, dG, dh0
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     dht_in = dht.float().contiguous() if dht is not None else dh0
-    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, scale, dht is not None, state_v_first)
+    args = builder_args(H, HV, K, V, q.dtype, beta.dtype, scale, dht is not None, state_v_first, h_seqs is not None)
+    if h_seqs is not None:
+        assert tuple(h_seqs.shape) == (N,) and not h_seqs.dtype.is_floating_point, "h_seqs: integer [N]"
+    extra = (h_seqs.to(torch.int32).contiguous(),) if h_seqs is not None else ()
     kernel = build(*args)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(), beta.contiguous(),
            A.to(q.dtype).contiguous(), h.contiguous(), do.to(v.dtype).contiguous(), dht_in, cu_seqlens,
-           _tl.seq_order(cu_seqlens, HV), dq, dk, dv, dbeta, dG, dh0)
+           _tl.seq_order(cu_seqlens, HV), *extra, dq, dk, dv, dbeta, dG, dh0)
     return dq, dk, dv, dbeta, dG, dh0

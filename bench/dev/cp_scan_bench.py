@@ -12,6 +12,9 @@ flushes). Every provider is checked against `scan_serial` before timing.
     source .device/bootstrap.sh; python3 -u bench/dev/cp_scan_bench.py [--heads 2/8 4/16 8/32] [--J 2 4 8 16 32]
         [--batch 1] [--bwd] [--out $OUT/cp_scan.csv]
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/cp_scan_bench.py --precompile     # on the CPU machine
+
+--variant NAME=PATH adds a copy of kernels/cp_scan.py (not committed; its own `choose_bv`) as the provider
+``NAME-only`` (offsets precomputed), timed interleaved with the shipped kernel and checked like it.
 """
 from __future__ import annotations
 
@@ -51,20 +54,32 @@ def inputs(B: int, J: int, HV: int, seed: int = 0) -> tuple:
     return plan, M.contiguous(), E, h0
 
 
-def providers(plan, M, E, h0, bwd: bool) -> dict:
+def load_variants(specs) -> dict:
+    """{name: module} of the --variant copies of kernels/cp_scan.py."""
+    from ab_chunk_bwd import load_variant
+
+    return {name: load_variant(name, path) for name, path in (s.split("=", 1) for s in specs)}
+
+
+def providers(plan, M, E, h0, bwd: bool, variants: dict) -> dict:
     from flashdelta import cp
     from flashdelta.kernels import cp_scan
 
     part_cu = cp_scan.part_offsets(plan.last_index)
     if bwd:
-        return {"kernel": lambda: cp_scan.scan_bwd(M, E, h0, cp_scan.part_offsets(plan.last_index)),
-                "kernel-only": lambda: cp_scan.scan_bwd(M, E, h0, part_cu),
-                "serial": lambda: cp.scan_grads(M, E, plan, h0, "serial"),
-                "log": lambda: cp.scan_grads(M, E, plan, h0, "log")}
-    return {"kernel": lambda: cp_scan.scan_fwd(M, E, h0, cp_scan.part_offsets(plan.last_index)),
-            "kernel-only": lambda: cp_scan.scan_fwd(M, E, h0, part_cu),
-            "serial": lambda: cp.scan_serial(M, E, plan, h0),
-            "log": lambda: cp.scan_log(M, E, plan, h0)}
+        fns = {"kernel": lambda: cp_scan.scan_bwd(M, E, h0, cp_scan.part_offsets(plan.last_index)),
+               "kernel-only": lambda: cp_scan.scan_bwd(M, E, h0, part_cu),
+               "serial": lambda: cp.scan_grads(M, E, plan, h0, "serial"),
+               "log": lambda: cp.scan_grads(M, E, plan, h0, "log")}
+    else:
+        fns = {"kernel": lambda: cp_scan.scan_fwd(M, E, h0, cp_scan.part_offsets(plan.last_index)),
+               "kernel-only": lambda: cp_scan.scan_fwd(M, E, h0, part_cu),
+               "serial": lambda: cp.scan_serial(M, E, plan, h0),
+               "log": lambda: cp.scan_log(M, E, plan, h0)}
+    for name, m in variants.items():
+        fns[f"{name}-only"] = (lambda m=m: m.scan_bwd(M, E, h0, part_cu)) if bwd else \
+            (lambda m=m: m.scan_fwd(M, E, h0, part_cu))
+    return fns
 
 
 def check(fns: dict) -> dict:
@@ -83,7 +98,8 @@ def run(args) -> int:
     stream = torch.cuda.Stream()
     flush = timing.L2Flush(args.flush_mb)
     rows = []
-    names = ["kernel", "kernel-only", "serial", "log"]
+    variants = load_variants(args.variant)
+    names = ["kernel", "kernel-only", "serial", "log"] + [f"{n}-only" for n in variants]
     print(f"{'pass':>4} {'heads':>6} {'B':>3} {'J':>3} " + " ".join(f"{n + ' us':>15}" for n in names)
           + "  serial/kernel  kernel us/step", flush=True)
     for pas in (("fwd", "bwd") if args.bwd else ("fwd",)):
@@ -91,7 +107,7 @@ def run(args) -> int:
             _, HV = parse_heads(hh)
             for J in args.J:
                 plan, M, E, h0 = inputs(args.batch, J, HV)
-                fns = providers(plan, M, E, h0, pas == "bwd")
+                fns = providers(plan, M, E, h0, pas == "bwd", variants)
                 errs = check(fns)
                 runners = {n: timing.make_runner(fn, stream=stream) for n, fn in fns.items()}
                 timed = timing.time_runners(runners, stream=stream, budget_ms=args.budget_ms, flush=flush,
@@ -121,12 +137,13 @@ def precompile(args) -> int:
     from flashdelta.kernels import cp_scan
 
     todo = {}
-    for hh in args.heads:
-        _, HV = parse_heads(hh)
-        for label, b, a in cp_scan.launcher_builds(HV, K, V, N=None, backward=True, init=(True,)):
-            todo.setdefault(a, (label, b))
+    for mod in [cp_scan, *load_variants(args.variant).values()]:
+        for hh in args.heads:
+            _, HV = parse_heads(hh)
+            for label, b, a in mod.launcher_builds(HV, K, V, N=args.batch, backward=True, init=(True,)):
+                todo.setdefault((mod.__name__, a), (f"{mod.__name__.rsplit('.', 1)[-1]}: {label}", b, a))
     t0 = time.time()
-    for i, (a, (label, b)) in enumerate(todo.items(), 1):
+    for i, (label, b, a) in enumerate(todo.values(), 1):
         t = time.time()
         b(*a)
         print(f"[{i}/{len(todo)}] {label}: {time.time() - t:.1f} s", flush=True)
@@ -145,6 +162,7 @@ def main() -> int:
     ap.add_argument("--flush-mb", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--precompile", action="store_true", help="compile the scan builds (no GPU) and exit")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernels/cp_scan.py copy")
     args = ap.parse_args()
     if args.precompile:
         return precompile(args)

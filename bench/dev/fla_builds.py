@@ -406,15 +406,16 @@ def _cp_pick(c: Chunk, todo: list, l_fwd: int) -> list:
     from flashdelta.kernels import cp_scan, fused_fwd  # noqa: PLC0415
 
     N = c.B if c.cu is None else len(c.cu) - 1
-    bv = cp_scan.choose_bv(N, c.HV, c.D, NUM_SMS)
+    bv = cp_scan.choose_bv(N, c.HV, c.D, NUM_SMS, c.D)
     scans = {cp_scan.builder_args(c.HV, c.D, c.D, bv, reverse=r, has_init=True, store_final=f)
              for r in (False, True) for f in (False, True)}
     n = len(fused_fwd.builder_args(c.H, c.HV, c.D, c.D, c.dtype, F32, F32, 1.0, False, False))
     out = []
     for label, b, args in todo:
         flags = args[n:] if b is fused_fwd.build else None
-        # fused_fwd._flags order: save_states, chunk_skip, zero_values, states_only (trailing False dropped)
-        if flags is not None and not l_fwd and (not flags or (len(flags) > 1 and flags[1])):
+        # fused_fwd._flags order: save_states, chunk_skip, zero_values, states_only, save_starts, transitions,
+        # state_seqs (trailing False dropped); state_seqs is the split forward's output pass saving the states
+        if flags is not None and not l_fwd and (not flags or (len(flags) > 1 and flags[1]) or len(flags) > 6):
             continue
         if b is cp_scan.build and args not in scans:
             continue

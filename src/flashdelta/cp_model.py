@@ -64,6 +64,9 @@ SCAN_STEP_US = 6.0              # one step of the serial scan (a gather and a ba
 SCAN_LEVEL_US = 12.0            # one level of the log-depth scan, launches
 SCAN_KERNEL_US = 5.0            # the scan kernel (`kernels.cp_scan`): launch, first M load, part offsets
 SCAN_KERNEL_STEP_US = 1.5       # one of its steps (16-column tiles; ~2.5 with 32-column tiles, `_kernel_step_us`)
+# the 8-column tile's step over the 16-column one's (256 threads; H200, 2/8 1x32768 at 8-32 steps, cp_scan_bench.py:
+# forward 0.77-0.83, backward 0.94-0.95; bench/results/h200/2026-12-06_1b03d7c_chunk_bwd_wait_and_scan_ab.txt)
+SCAN_KERNEL_BV8 = 0.85
 SCAN_TFLOPS = 25.0              # fp32 batched-GEMM rate of the log-depth scan (TFLOP/s)
 # the M and E passes run states-only builds (no Q K^T, Pg, O^T, q loads or o stores: `chunk_fwd(states_only=True)`):
 # their per-chunk time over the full pass's, measured on the H200 by bench/dev/fit_cp.py (2/8 and 4/16 1x32768,
@@ -213,8 +216,11 @@ def bounds(T: int, N: int, L: int, seq_len: Optional[int] = None) -> tuple:
     return N + T // W, max(1, -(-T // W))
 
 
-def _kernel_step_us(N: int, HV: int, V: int) -> float:
-    """One step of the scan kernel: its V tile (`kernels.cp_scan.choose_bv`'s rule) sets the FMAs per step."""
+def _kernel_step_us(N: int, HV: int, V: int, K: int = 128) -> float:
+    """One step of the scan kernel: its V tile (`kernels.cp_scan.choose_bv`'s rule) sets the FMAs per step; the
+    8-column tile's step is `SCAN_KERNEL_BV8` of the 16-column one's."""
+    if K == 128 and N * HV * (V // 8) <= 132:
+        return SCAN_KERNEL_STEP_US * SCAN_KERNEL_BV8
     return SCAN_KERNEL_STEP_US * (1.0 if V % 32 or N * HV * (V // 16) <= 132 else 5.0 / 3.0)
 
 
@@ -223,7 +229,7 @@ def scan_cost(P: int, J: int, HV: int, K: int, V: int, *, kernel: bool = False, 
     one launch over N sequences), ``"serial"`` (J steps) or ``"log"`` (ceil(log2 J) levels of batched
     [K, K] x [K, K + V] GEMMs over every partition)."""
     if kernel:
-        return SCAN_KERNEL_US + max(J - 1, 0) * _kernel_step_us(N, HV, V), "kernel"
+        return SCAN_KERNEL_US + max(J - 1, 0) * _kernel_step_us(N, HV, V, K), "kernel"
     serial = J * SCAN_STEP_US
     levels = max(0, math.ceil(math.log2(J))) if J > 1 else 0
     log = levels * (SCAN_LEVEL_US + 2.0 * P * HV * K * K * (K + V) / (SCAN_TFLOPS * 1e6))

@@ -1,10 +1,10 @@
-"""CP's scan kernel (`kernels.cp_scan`) on the CPU: three of its builds compile for sm_90a, pass the hang checks,
+"""CP's scan kernel (`kernels.cp_scan`) on the CPU: four of its builds compile for sm_90a, pass the hang checks,
 keep every accumulator in registers (no ptxas spills, no stack frame) and use no tensor-core instruction (the scan is
 plain fp32 FMAs); its build table, the V-tile choice, the plan offsets and the launchers' argument checks.
 
-The three builds (~4 s each, compiled at once): the forward at K = V = 128 with h0 and 16-column tiles (2/8 1x32768's
-scan), the backward at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64
-without h0, with the final state. tests/gpu/test_cp_scan.py runs them on the GPU.
+The four builds (~4 s each, compiled at once): the forward at K = V = 128 with h0 and 16-column tiles, the backward
+at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64 without h0, with the
+final state, and the backward at K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans). tests/gpu/test_cp_scan.py runs them on the GPU.
 """
 import re
 
@@ -22,12 +22,13 @@ BUILDS = {
     "fwd-128-bv16-h0": cp_scan.builder_args(8, 128, 128, 16, reverse=False, has_init=True, store_final=False),
     "bwd-v256-bv32-dht-dh0": cp_scan.builder_args(8, 128, 256, 32, reverse=True, has_init=True, store_final=True),
     "fwd-64-final": cp_scan.builder_args(4, 64, 64, 16, reverse=False, has_init=False, store_final=True),
+    "bwd-128-bv8-dht": cp_scan.builder_args(8, 128, 128, 8, reverse=True, has_init=True, store_final=False),
 }
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """label -> the compiled kernel (or its exception), all three compiled at once."""
+    """label -> the compiled kernel (or its exception), all compiled at once."""
     return compile_all(cp_scan.build, BUILDS)
 
 
@@ -51,21 +52,26 @@ def test_cp_scan_build_compiles_without_spills(label, compiled, tmp_path):
 def test_build_table():
     """`launcher_builds`: forward (and with `backward` the reverse walk) with and without the start value, at the V
     tile `choose_bv` picks (both where N is unknown); head dims outside the kernel's raise."""
-    fwd = cp_scan.launcher_builds(8, 128, 128, N=1)
+    fwd = cp_scan.launcher_builds(8, 128, 128, N=2)
     assert [a for _, _, a in fwd] == [cp_scan.builder_args(8, 128, 128, 16, reverse=False, has_init=h,
                                                            store_final=False) for h in (False, True)]
     assert BUILDS["fwd-128-bv16-h0"] in [a for _, _, a in fwd]
+    assert {a[3] for _, _, a in cp_scan.launcher_builds(8, 128, 128, N=1)} == {8}
     both = cp_scan.launcher_builds(8, 128, 128, backward=True)
-    assert len(both) == 8 and {a[3] for _, _, a in both} == {16, 32} and {a[4] for _, _, a in both} == {False, True}
+    assert len(both) == 12 and {a[3] for _, _, a in both} == {8, 16, 32} and {a[4] for _, _, a in both} == {False, True}
+    assert {a[3] for _, _, a in cp_scan.launcher_builds(4, 64, 64)} == {16, 32}, "no 8-column tile at K = 64"
     assert all(b is cp_scan.build for _, b, _ in both)
     with pytest.raises(AssertionError):
         cp_scan.build.get_tir(8, 96, 128, 16, False, False, False)
 
 
 def test_choose_bv_and_unsupported():
-    assert cp_scan.choose_bv(1, 8, 128) == 16            # 64 CTAs: one wave of 16-column tiles
+    assert cp_scan.choose_bv(1, 8, 128) == 8             # 128 CTAs: one wave of 8-column tiles
+    assert cp_scan.choose_bv(1, 16, 128) == 16           # 256 CTAs of 8 columns: 128 of 16
+    assert cp_scan.choose_bv(1, 8, 64, K=64) == 16       # no 8-column tile at K = 64
     assert cp_scan.choose_bv(4, 8, 128) == 32            # 256 CTAs of 16 columns: 128 of 32
     assert cp_scan.choose_bv(4, 8, 48) == 16             # V not a multiple of 32
+    assert "BV=8" in cp_scan.unsupported(64, 64, 8) and cp_scan.unsupported(128, 128, 8) is None
     assert cp_scan.unsupported(128, 256) is None and cp_scan.unsupported(64, 64, 32) is None
     assert "K=256" in cp_scan.unsupported(256, 128)
     assert "V=40" in cp_scan.unsupported(128, 40)

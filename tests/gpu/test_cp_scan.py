@@ -45,6 +45,7 @@ CASES = [
     ScanCase("dense-1x8192-L4-noinit-bv32", (8192,), 4, dense=True, init=False, bv=32),  # J = 32
     ScanCase("varlen-edges", (3000, 1, 700, 0, 130, 64), 4, pad=7, final=True),
     ScanCase("varlen-edges-noinit", (3000, 1, 700, 0, 130, 64), 4, pad=300, init=False),
+    ScanCase("varlen-edges-bv8-noinit", (3000, 1, 700, 0, 130, 64), 4, pad=7, init=False, final=True, bv=8),
     ScanCase("varlen-many", random_lengths(40, (0, 1, 64, 200, 513, 1500, 4000), seed=3), 4, HV=4, final=True),
     ScanCase("k64", (5000, 700), 8, HV=4, K=64, V=64, final=True),
     ScanCase("k64-bv32-noinit", (5000, 700), 8, HV=4, K=64, V=64, init=False, bv=32),

@@ -17,8 +17,8 @@ the partitions, where the bf16 forward's own error budget is spent elsewhere; at
 step, so nothing is gained by rounding. The build uses the project's fast-math pass config, so the FMAs are
 ``fma.rn.ftz``: fp32 denormals (below 1.2e-38) flush to zero, far below any state value that matters.
 
-One CTA (128 threads, one warp per SM sub-partition) per (sequence, value head, V tile of `BV` columns), walking the
-sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two buffers: step j reads one
+One CTA (`threads`: 128, one warp per SM sub-partition; 256 at BV = 8) per (sequence, value head, V tile of `BV`
+columns), walking the sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two buffers: step j reads one
 and writes the other, so one CTA barrier per step suffices); thread t owns the output rows ``TM (t // CG) ..`` (TM
 rows) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column groups), TM x 4 accumulators in registers. M_p (64 KB
 at K = 128, read by the V / BV tiles of one head: L2-resident) and the bias tile (E_p or F_p, ``[K, BV]``) are
@@ -28,8 +28,12 @@ shared rows are padded by 4 floats, which keeps the 16-byte reads of M and the s
 Cost per step (K = 128, BV = 16, TM = 4): 2048 FMAs and 256 16-byte shared loads per thread, ~2.4 k issue slots on
 one warp per sub-partition, ~1.2 us at 1.98 GHz, plus ~0.2 us of barrier and cp.async wait; the M load is 64 KB per
 CTA per step (32 cp.async of 16 bytes per thread), 4 MB per step through L2 at 64 CTAs, under the FMAs. BV = 32
-halves the CTAs and doubles the per-step FMAs (~2.3 us). `choose_bv` takes 16 where the grid of 16-column tiles fits
-one wave, else 32. Without `store_final` the last partition's product is skipped (the caller's output pass gives the
+halves the CTAs and doubles the per-step FMAs (~2.3 us). `choose_bv` takes 8 at K = 128 where the grid of 8-column
+tiles fits one wave (256 threads, TM = 1: each SM's FMAs a step halve and a second warp per sub-partition covers the
+shared loads), else 16 where the 16-column tiles do, else 32. Measured on the H200 (docs/dev/cp.md, "Scan kernel"):
+a step takes ~3.3-3.5 us at BV = 16 (2/8) and ~5.5 at BV = 32 (8/32); BV = 8 at 256 threads took 2/8's forward
+scan from 107 to 82 us at 32 partitions (the backward's 93 -> 87), while 256 threads at BV = 16 were 10-14% slower
+than 128 (each warp then re-reads the state block for half the rows). Without `store_final` the last partition's product is skipped (the caller's output pass gives the
 final state), so a sequence of J partitions runs J - 1 steps.
 
 Predictions (H200, CUDA graph, K = V = 128): 2/8 1x32768, L = 64 (J = 8): 64 CTAs of 7 steps, ~7 x 1.4 + 2 (first M
@@ -50,20 +54,24 @@ import torch
 from . import _tl
 
 F32 = "float32"
-THREADS = 128
 SUPPORTED_K = (64, 128)
-BV_OPTIONS = (16, 32)   # value columns per CTA
+BV_OPTIONS = (8, 16, 32)   # value columns per CTA (8: K = 128 only)
 MAX_V = 1024            # V is split into V / BV CTAs: any multiple of BV up to this
 UNROLL = 4              # unroll factor of the k loop (4 k values per iteration)
 PAD = 4                 # floats of padding per shared row (16 bytes: no bank conflicts on the 16-byte accesses)
+
+
+def threads(BV: int) -> int:
+    """Threads per CTA: 128 (one warp per SM sub-partition), 256 at BV = 8 (one output row of 4 columns a thread)."""
+    return 256 if BV == 8 else 128
 
 
 def unsupported(K: int, V: int, BV: int = 16) -> Optional[str]:
     """Why the kernel cannot run these head dims (None: it can)."""
     if K not in SUPPORTED_K:
         return f"K={K} (the scan kernel runs K in {SUPPORTED_K})"
-    if BV not in BV_OPTIONS:
-        return f"BV={BV} (the scan kernel's V tiles are {BV_OPTIONS})"
+    if BV not in BV_OPTIONS or (BV == 8 and K != 128):
+        return f"BV={BV} (the scan kernel's V tiles are {BV_OPTIONS}, 8 at K = 128 only)"
     if V % BV or V > MAX_V:
         return f"V={V} (the scan kernel runs multiples of {BV} up to {MAX_V})"
     return None
@@ -86,6 +94,7 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
     P_ = T.dynamic("P")
     N_ = T.dynamic("N")
     # tiling config
+    THREADS = threads(BV)
     CG = BV // 4                     # column groups of 4
     RG = THREADS // CG               # row groups
     TM = K // RG                     # rows per thread
@@ -205,9 +214,12 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
     return cp_scan_kernel
 
 
-def choose_bv(N: int, HV: int, V: int, num_sms: int = _tl.DEFAULT_NUM_SMS) -> int:
-    """The V tile: 16 columns where the N x HV x V / 16 CTAs of the walk fit one wave (one CTA per SM: ~176 KB of
-    shared memory at K = 128), else 32 (half the CTAs; each step ~2x longer); 16 where V is not a multiple of 32."""
+def choose_bv(N: int, HV: int, V: int, num_sms: int = _tl.DEFAULT_NUM_SMS, K: int = 128) -> int:
+    """The V tile: at K = 128, 8 columns where the N x HV x V / 8 CTAs of the walk fit one wave (one CTA per SM: ~176
+    KB of shared memory); else 16 where the N x HV x V / 16 CTAs do, else 32 (half the CTAs; each step ~2x longer);
+    16 where V is not a multiple of 32."""
+    if K == 128 and N * HV * (V // 8) <= num_sms:
+        return 8
     if V % 32 or N * HV * (V // 16) <= num_sms:
         return 16
     return 32
@@ -222,8 +234,11 @@ def launcher_builds(HV: int, K: int, V: int, *, N: Optional[int] = None, num_sms
                     backward: bool = False, init=(False, True), store_final=(False,)) -> list:
     """(label, builder, args) of the scan kernels CP launches for HV value heads and head dims (K, V): the forward
     scan (`scan_fwd`), with `backward` also the reverse one (`scan_bwd`), with and without the start value (h0 /
-    dht) per `init`, at the V tile `choose_bv` picks for N sequences (both tiles where N is None)."""
-    tiles = sorted({choose_bv(n, HV, V, num_sms) for n in ((1, 1 << 20) if N is None else (N,))})
+    dht) per `init`, at the V tile `choose_bv` picks for N sequences (every tile it can pick where N is None)."""
+    if N is None:
+        tiles = [bv for bv in BV_OPTIONS if unsupported(K, V, bv) is None]
+    else:
+        tiles = [choose_bv(N, HV, V, num_sms, K)]
     out = []
     for reverse in ((False, True) if backward else (False,)):
         for has_init in init:
@@ -263,7 +278,8 @@ def _check(M: torch.Tensor, X: torch.Tensor, init: Optional[torch.Tensor], part_
     devs = {t.device for t in (M, X, init, part_cu) if t is not None}
     if len(devs) != 1:
         raise ValueError(f"{m}, {x}, {i} and part_cu must be on one device, got {sorted(map(str, devs))}")
-    BV = bv if bv is not None else choose_bv(N, HV, V, _tl.num_sms(X.device) if X.is_cuda else _tl.DEFAULT_NUM_SMS)
+    BV = bv if bv is not None else choose_bv(N, HV, V, _tl.num_sms(X.device) if X.is_cuda else _tl.DEFAULT_NUM_SMS,
+                                             K)
     why = unsupported(K, V, BV)
     if why is not None:
         raise ValueError(f"{x}: {why}")
@@ -289,12 +305,12 @@ def scan_fwd(M: torch.Tensor, E: torch.Tensor, h0: Optional[torch.Tensor], part_
 
     Args:
         M: ``[P, HV, K, K]`` fp32, each slot's transition (``S -> M S``); E: ``[P, HV, K, V]`` fp32, each slot's end
-            state from a zero start. K in (64, 128); V a multiple of the V tile (16 or 32, `choose_bv`) up to 1024.
+            state from a zero start. K in (64, 128); V a multiple of the V tile (8, 16 or 32, `choose_bv`) up to 1024.
         h0: ``[N, HV, K, V]`` fp32, the sequences' initial states, or None (zeros).
         part_cu: ``[N + 1]`` int32 (int64 is converted on the device): sequence n's partitions are the slots
             ``part_cu[n] .. part_cu[n + 1] - 1`` (`part_offsets`); slots past ``part_cu[N]`` are unused.
         final: also return each sequence's final state ``M_last H[last] + E_last`` (one more step per sequence).
-        bv: the V tile (16 or 32); None: `choose_bv`'s.
+        bv: the V tile (8 at K = 128, 16 or 32); None: `choose_bv`'s.
 
     Returns:
         H ``[P, HV, K, V]`` fp32 (K-first): ``H[first] = h0[n]``, ``H[p + 1] = M_p H[p] + E_p``; 0 on unused slots.

@@ -7,6 +7,7 @@
 #       (another suite, chosen head configs, and rows whose seqlens match the regex ROWS)
 #   ... PROVIDERS=flashdelta,fla,flashqla,flashinfer MAX_S=570 bash bench/dev/grid.sh all
 #       (the providers, run.py's --providers; default flashdelta,fla,flashqla)
+#   ... PACK_NEW=1 ... bash bench/dev/grid.sh ...   (also return the kernels compiled here: bench/dev/tlcache.sh)
 # (The device copy has no .git: expand FLASHDELTA_COMMIT=$(git rev-parse --short HEAD) on this side.)
 # Phase 1 compiles every provider's kernels for this half's head configs in parallel processes (one per head
 # config, timings discarded: one rep, no gate), so the JIT work (FlashQLA's TileLang kernels take ~80 s per head
@@ -22,6 +23,10 @@ export FLASHDELTA_COMMIT=${FLASHDELTA_COMMIT:-unknown}
 SUITE=${SUITE:-fwd}
 ROWS=${ROWS:-}
 PROVIDERS=${PROVIDERS:-flashdelta,fla,flashqla}
+# PACK_NEW=1: the TileLang kernels this call compiled (FlashQLA's, which the CPU machine cannot build) go to
+# $OUT/tl-new-$HALF.tar.xz, for .cache/tl-peers.tar.xz (bench/dev/tlcache.sh)
+PACK_NEW=${PACK_NEW:-0}
+touch /tmp/grid_marker
 # phase 1's limit per head config: FlashQLA's backward kernels compile past the forward's 240 s (a backward case whose
 # warm-up is cut compiles inside the timed phase instead), so the backward suites get 400 s and fewer HEADS per call
 WARM_S=${WARM_S:-$([ "$SUITE" = fwd ] && echo 240 || echo 400)}
@@ -42,3 +47,9 @@ timeout $(( MAX_S - ($(date +%s) - t0) )) python3 bench/run.py --suite "$SUITE" 
   --out "$OUT/${SUITE}_grid_$HALF.csv" > "$OUT/${SUITE}_grid_$HALF.log" 2>&1
 echo "phase 2 (timing) done at $(( $(date +%s) - t0 )) s"
 grep -v "TileLang.*INFO" "$OUT/${SUITE}_grid_$HALF.log" | grep -A 110 "^case" | head -n 110
+if [ "$PACK_NEW" = 1 ] && [ -n "${TILELANG_CACHE_DIR:-}" ]; then
+  base=$(dirname "$TILELANG_CACHE_DIR"); name=$(basename "$TILELANG_CACHE_DIR")
+  (cd "$base" && find "$name" -mindepth 4 -maxdepth 4 -type d -newer /tmp/grid_marker) > /tmp/grid_new.txt
+  XZ_OPT="-9 -T0" tar -C "$base" -cJf "$OUT/tl-new-$HALF.tar.xz" -T /tmp/grid_new.txt
+  echo "packed $(wc -l < /tmp/grid_new.txt) kernels compiled in this call: $(du -h "$OUT/tl-new-$HALF.tar.xz" | cut -f1)"
+fi

@@ -5,10 +5,14 @@
 #   bash bench/dev/tlcache.sh pack                              # -> .cache/tl-ship.tar.xz (carry that path)
 #   source bench/dev/tlcache.sh unpack                          # GPU machine: unpack, export TILELANG_CACHE_DIR
 # TileLang's cache key (its version, the native libraries, the kernel's TIR, the target) matches on the GPU
-# machine when both sides run the same TileLang build.
+# machine when both sides run the same TileLang build. The peers' TileLang kernels (FlashQLA's) compile only on the GPU
+# machine (their target comes from the device): `PACK_NEW=1 bash bench/dev/grid.sh ...` returns the kernels a grid
+# call compiled as $OUT/tl-new-<half>.tar.xz; saved as .cache/tl-peers.tar.xz and carried, `unpack` adds them, so the
+# next grid's phase 1 finds FlashQLA's kernels compiled (it took ~300 s a backward grid call).
 case "${1:-}" in
   pack) XZ_OPT=${XZ_OPT:-"-9e -T0"} tar -C .cache -cJf .cache/tl-ship.tar.xz tl-ship && ls -la .cache/tl-ship.tar.xz ;;
   unpack) python3 -c "import tarfile; tarfile.open('.cache/tl-ship.tar.xz').extractall('/tmp')" &&
+          { [ ! -f .cache/tl-peers.tar.xz ] || python3 -c "import tarfile; tarfile.open('.cache/tl-peers.tar.xz').extractall('/tmp')"; } &&
           export TILELANG_CACHE_DIR=/tmp/tl-ship && echo "TileLang cache: $(ls /tmp/tl-ship/*/linux-x86_64/kernels | wc -l) kernels" ;;
   *) echo "usage: bench/dev/tlcache.sh pack|unpack" >&2 ;;
 esac

@@ -147,7 +147,7 @@ def builds() -> list:
     todo = CASES + [ScanCase("graph", (3000, 1000), 4, HV=4, final=True)]
     for case in todo:
         plan, _ = _plan(case, "cpu")
-        bv = case.bv or cp_scan.choose_bv(plan.N, case.HV, case.V)
+        bv = case.bv or cp_scan.choose_bv(plan.N, case.HV, case.V, K=case.K)
         for reverse in (False, True):
             a = cp_scan.builder_args(case.HV, case.K, case.V, bv, reverse=reverse, has_init=case.init,
                                      store_final=case.final)

@@ -103,3 +103,14 @@ def test_launcher_argument_checks():
         cp_scan.scan_fwd(M, E, None, cu[:1])
     with pytest.raises(ValueError, match="K=32"):
         cp_scan.scan_fwd(torch.zeros(4, 2, 32, 32), torch.zeros(4, 2, 32, 64), None, cu)
+
+
+def test_gpu_tier_scan_builds_are_valid():
+    """Every scan build the GPU tier asks for (tests/_builds.py `gpu_tier`: the test files' own `builds` lists) is one
+    the kernel takes: a V tile its head dims allow (no 8-column tile at K = 64)."""
+    from _builds import gpu_tier
+
+    scans = [(label, a) for label, b, a in gpu_tier() if b is cp_scan.build]
+    assert scans and any(a[3] == 8 for _, a in scans) and any(a[1] == 64 for _, a in scans)
+    for label, (HV, K, V, BV, *_) in scans:
+        assert cp_scan.unsupported(K, V, BV) is None, label

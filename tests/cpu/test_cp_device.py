@@ -63,6 +63,26 @@ def test_plan_equals_reference_partition(name, cu, L, T):
         assert bool((plan.step_index[len(mine):, n] == P).all())
 
 
+@pytest.mark.parametrize("name,cu,L,T", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_partition_chunks_keep_their_sequences_state_slots(name, cu, L, T):
+    """The chunk-state slots of the SM90 kernels (chunk c of item n at ``cu[n] // 64 + n + c``, docs/stages.md `h`):
+    a partition's chunk, numbered through `h_seq` = the plan's `seq` (`fused_fwd` `state_seqs` writing,
+    `chunk_bwd` `h_seqs` reading: ``cu_p[p] // 64 + seq[p] + c``), lands on the slot its sequence's own chunk has,
+    every chunk of every sequence once, at any plan's L and with sequences not starting on a multiple of 64."""
+    plan = cp.make_plan(torch.tensor(cu, dtype=torch.int32), T, L)
+    cu_p, seq = plan.cu.tolist(), plan.seq.tolist()
+    got = sorted(cu_p[p] // 64 + seq[p] + c for p in range(plan.P) for c in range(-(-(cu_p[p + 1] - cu_p[p]) // 64)))
+    want = sorted(cu[n] // 64 + n + c for n in range(len(cu) - 1) for c in range(-(-(cu[n + 1] - cu[n]) // 64)))
+    assert got == want
+    for p in range(plan.P):
+        if cu_p[p + 1] == cu_p[p]:
+            continue                                  # an empty partition (or unused slot) owns no chunk
+        n = seq[p]
+        first_chunk = (cu_p[p] - cu[n]) // 64         # the partition's first chunk within its sequence
+        assert cu_p[p] == cu[n] + 64 * first_chunk, "partitions are chunk-aligned within their sequence"
+        assert cu_p[p] // 64 == cu[n] // 64 + first_chunk
+
+
 def test_plan_dense_is_exact_and_regular():
     plan = cp.make_plan(torch.arange(4, dtype=torch.int32) * 300, 900, 2, seq_len=300)
     want = rcp.partition([0, 300, 600, 900], 2)

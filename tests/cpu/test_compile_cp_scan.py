@@ -4,7 +4,8 @@ plain fp32 FMAs); its build table, the V-tile choice, the plan offsets and the l
 
 The four builds (~4 s each, compiled at once): the forward at K = V = 128 with h0 and 16-column tiles, the backward
 at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64 without h0, with the
-final state, and the backward at K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans). tests/gpu/test_cp_scan.py runs them on the GPU.
+final state, and the backward at K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans).
+tests/gpu/test_cp_scan.py runs them on the GPU.
 """
 import re
 

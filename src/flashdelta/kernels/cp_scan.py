@@ -18,16 +18,16 @@ step, so nothing is gained by rounding. The build uses the project's fast-math p
 ``fma.rn.ftz``: fp32 denormals (below 1.2e-38) flush to zero, far below any state value that matters.
 
 One CTA (`threads`: 128, one warp per SM sub-partition; 256 at BV = 8) per (sequence, value head, V tile of `BV`
-columns), walking the sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two buffers: step j reads one
-and writes the other, so one CTA barrier per step suffices); thread t owns TM output rows of row group ``t // CG``
-(RG = THREADS / CG groups) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column groups), TM x 4 accumulators in
-registers. M_p (64 KB at K = 128, read by the V / BV tiles of one head: L2-resident) and the bias tile (E_p or F_p,
-``[K, BV]``) are streamed by cp.async into a second shared buffer one step ahead, so step p's loads run under step
-p - 1's FMAs. The shared rows are padded by 4 floats (a row of M is 528 bytes: consecutive rows start 4 banks
-apart), so a warp's 16-byte reads of 8 consecutive rows hit 8 distinct bank quads. The forward reads rows of M, so
-its row groups interleave (group g owns rows ``g, g + RG, ..``: a warp reads 8 consecutive rows); groups of TM
-consecutive rows would put a warp's 8 rows TM apart, 4- or 8-way conflicts at TM = 4 or 8. The backward reads
-columns of M (16 bytes: 4 consecutive output rows of one M row), so its groups hold TM consecutive rows.
+columns), walking the sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two
+buffers: step j reads one and writes the other, so one CTA barrier per step suffices); thread t owns TM output rows
+of row group ``t // CG`` (RG = THREADS / CG groups) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column groups),
+TM x 4 accumulators in registers. M_p (64 KB at K = 128, read by the V / BV tiles of one head: L2-resident) and the
+bias tile (E_p or F_p, ``[K, BV]``) are streamed by cp.async into a second shared buffer one step ahead, so step p's
+loads run under step p - 1's FMAs. The shared rows are padded by 4 floats (a row of M is 528 bytes: consecutive rows
+start 4 banks apart), so a warp's 16-byte reads of 8 consecutive rows hit 8 distinct bank quads. The forward reads
+rows of M, so its row groups interleave (group g owns rows ``g, g + RG, ..``: a warp reads 8 consecutive rows);
+groups of TM consecutive rows would put a warp's 8 rows TM apart, 4- or 8-way conflicts at TM = 4 or 8. The backward
+reads columns of M (16 bytes: 4 consecutive output rows of one M row), so its groups hold TM consecutive rows.
 
 Cost per step (K = 128, BV = 16, TM = 4): 2048 FMAs and 256 16-byte shared loads per thread, ~2.4 k issue slots on
 one warp per sub-partition, ~1.2 us at 1.98 GHz, plus ~0.2 us of barrier and cp.async wait; the M load is 64 KB per
@@ -35,10 +35,10 @@ CTA per step (32 cp.async of 16 bytes per thread), 4 MB per step through L2 at 6
 halves the CTAs and doubles the per-step FMAs (~2.3 us). `choose_bv` takes 8 at K = 128 where the grid of 8-column
 tiles fits one wave (256 threads, TM = 1: each SM's FMAs a step halve and a second warp per sub-partition covers the
 shared loads), else 16 where the 16-column tiles do, else 32. Measured on the H200 (docs/dev/cp.md, "Scan kernel"):
-a step takes ~3.3-3.5 us at BV = 16 (2/8) and ~5.5 at BV = 32 (8/32); BV = 8 at 256 threads took 2/8's forward
-scan from 107 to 82 us at 32 partitions (the backward's 93 -> 87), while 256 threads at BV = 16 were 10-14% slower
-than 128 (each warp then re-reads the state block for half the rows). Without `store_final` the last partition's product is skipped (the caller's output pass gives the
-final state), so a sequence of J partitions runs J - 1 steps.
+a step takes ~3.3-3.5 us at BV = 16 (2/8) and ~5.5 at BV = 32 (8/32); BV = 8 at 256 threads took 2/8's forward scan
+from 107 to 82 us at 32 partitions (the backward's 93 -> 87), while 256 threads at BV = 16 were 10-14% slower than
+128 (each warp then re-reads the state block for half the rows). Without `store_final` the last partition's product
+is skipped (the caller's output pass gives the final state), so a sequence of J partitions runs J - 1 steps.
 
 Predictions (H200, CUDA graph, K = V = 128): 2/8 1x32768, L = 64 (J = 8): 64 CTAs of 7 steps, ~7 x 1.4 + 2 (first M
 load) + ~3 (launch) = ~15 us against ~190 us of torch scan; 2/8 8192x4, L = 64 (J = 2): 128 CTAs (BV = 32) of one
@@ -143,7 +143,6 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
             i_hv = (bx // NV) % HV
             v0 = (bx % NV) * BV
             rg = tx // CG                    # this thread's row group
-
             c0 = (tx % CG) * 4               # first column (within the tile)
             M_s = T.alloc_shared((2, K, K + PAD), F32)
             X_s = T.alloc_shared((2, K, BV + PAD), F32)

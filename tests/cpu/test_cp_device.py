@@ -66,8 +66,8 @@ def test_plan_equals_reference_partition(name, cu, L, T):
 @pytest.mark.parametrize("name,cu,L,T", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
 def test_partition_chunks_keep_their_sequences_state_slots(name, cu, L, T):
     """The chunk-state slots of the SM90 kernels (chunk c of item n at ``cu[n] // 64 + n + c``, docs/stages.md `h`):
-    a partition's chunk, numbered through `h_seq` = the plan's `seq` (`fused_fwd` `state_seqs` writing,
-    `chunk_bwd` `h_seqs` reading: ``cu_p[p] // 64 + seq[p] + c``), lands on the slot its sequence's own chunk has,
+    a partition's chunk, numbered through `h_seq` = the plan's `seq` (`chunk_bwd` `h_seqs` reading the forward's
+    states over the partitions: ``cu_p[p] // 64 + seq[p] + c``), lands on the slot its sequence's own chunk has,
     every chunk of every sequence once, at any plan's L and with sequences not starting on a multiple of 64."""
     plan = cp.make_plan(torch.tensor(cu, dtype=torch.int32), T, L)
     cu_p, seq = plan.cu.tolist(), plan.seq.tolist()

@@ -413,8 +413,9 @@ def _cp_pick(c: Chunk, todo: list, l_fwd: int) -> list:
     out = []
     for label, b, args in todo:
         flags = args[n:] if b is fused_fwd.build else None
-        # fused_fwd._flags order: save_states, chunk_skip, zero_values, states_only (trailing False dropped)
-        if flags is not None and not l_fwd and (not flags or (len(flags) > 1 and flags[1])):
+        # fused_fwd._flags order: save_states, chunk_skip, zero_values, states_only, save_starts, transitions,
+        # state_seqs (trailing False dropped); state_seqs is the split forward's output pass saving the states
+        if flags is not None and not l_fwd and (not flags or (len(flags) > 1 and flags[1]) or len(flags) > 6):
             continue
         if b is cp_scan.build and args not in scans:
             continue

@@ -77,20 +77,20 @@ def _gate_dtype(q: Tensor) -> torch.dtype:
 _SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts", "states")
 
 
-def _saves_states(context_parallel: int, plan: dispatch.Plan, N: int, q: Tensor, v: Tensor, varlen: bool) -> bool:
+def _saves_states(context_parallel: int, plan: dispatch.Plan) -> bool:
     """Whether the training forward saves the state entering every chunk (`_SAVED` ``states``) for the backward's
     chunk_bwd, which then runs no state_recompute, serial or split by context parallelism (`cp.cp_chunk_bwd`'s
     `states`): where `ENV_SAVE_STATES` allows it, one native backend runs chunk_fwd and chunk_bwd (the states are
-    private to it, `stages.COUPLED`) and the forward is not split on a code decided on the host (a traced code,
-    `cp.CP_AUTO` / `cp.CP_ON`, is settled inside each op, so the forward cannot know its own split and saves none).
-    The fused forward then writes 512 B per token and value head (K = V = 128, bf16) that live until the backward;
-    the recompute costs about a forward."""
+    private to it, `stages.COUPLED`) and the CP code, if any, was decided on the host (a traced code, `cp.CP_AUTO`
+    / `cp.CP_ON`, is settled inside each op, so the forward cannot know the backward's needs and saves none). A
+    forward split by CP saves them from its output pass, over the whole sequences (`cp.cp_chunk_fwd`'s
+    `save_states`), so either pass may split without the other. The fused forward then writes 512 B per token and
+    value head (K = V = 128, bf16) that live until the backward; the recompute costs about a forward (split: the
+    backward's M and E passes, its forward scan and the recompute over its partitions)."""
     if not save_states_enabled() or context_parallel < 0:
         return False
     backend = plan.backends["chunk_fwd"]
-    if backend == dispatch.PORTABLE or plan.backends["chunk_bwd"] != backend:
-        return False
-    return _host_split(context_parallel, N, q, v, varlen)[0] == 0
+    return backend != dispatch.PORTABLE and plan.backends["chunk_bwd"] == backend
 
 
 def _host_split(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool) -> tuple:
@@ -214,7 +214,7 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
     plan = _plan(q, v, need_bwd)
-    states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
+    states = N if need_bwd and _saves_states(context_parallel, plan) else -1
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
@@ -236,8 +236,9 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     if L:
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T, kset=ks)
         # l2-normalised keys: the warm-up's condition reads beta alone (`cp.windows`)
-        o, ht = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu, scale=scale,
-                                state_v_first=state_v_first, plan=parts, backends=plan, keys_normalized=use_qk_l2norm)
+        o, ht, *third = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
+                                        scale=scale, state_v_first=state_v_first, plan=parts, backends=plan,
+                                        keys_normalized=use_qk_l2norm, save_states=states >= 0)
     else:
         # the unsplit forward, saving what the backward reads where it needs it: its partition start states
         # (`_starts_every`) or the chunk states (`_saves_states`), returned third
@@ -275,7 +276,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     HV, V = v.shape[2], v.shape[3]
     N = _num_seqs(q, cu_seqlens)
     plan = dispatch.plan(q.device, K, V, q.dtype, need_bwd=need_bwd)
-    states = N if need_bwd and _saves_states(context_parallel, plan, N, q, v, cu_seqlens is not None) else -1
+    states = N if need_bwd and _saves_states(context_parallel, plan) else -1
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
     return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)),

@@ -210,14 +210,14 @@ def decide(request, *, kset, device: torch.device, dtype: torch.dtype, B: int, T
 def auto_lengths(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None, seq_len: Optional[int] = None,
                  force: bool = False, warmup: Optional[bool] = None, backward: bool = True) -> tuple:
     """(forward L, backward L) of `decide`'s cost models (0: serial; `backward` False: the backward stays serial).
-    Where the forward stays unsplit it saves every chunk state (`ENV_SAVE_STATES`, default on: no state_recompute,
-    serial or over the partitions, no E pass, no forward scan), else the partition start states of a split
+    The training forward, split or not, saves every chunk state (`ENV_SAVE_STATES`, default on: no state_recompute,
+    serial or over the partitions, no E pass, no forward scan), else, unsplit, the partition start states of a split
     backward (no E pass, no forward scan): the backward's model counts either."""
     kw = dict(T=T, N=N, HV=HV, K=K, V=V, sms=sms, lengths=lengths, seq_len=seq_len, force=force, warmup=warmup)
     fwd = choose(**kw)
     if not backward:
         return fwd, 0
-    return fwd, choose_bwd(**kw, starts_saved=fwd == 0, states_saved=fwd == 0 and cp_model.save_states_enabled())
+    return fwd, choose_bwd(**kw, starts_saved=fwd == 0, states_saved=cp_model.save_states_enabled())
 
 
 def resolve_code(code: int, *, kset, device: torch.device, dtype: torch.dtype, B: int, T: int, HV: int, K: int,
@@ -588,7 +588,8 @@ def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bo
 
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
-                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False):
+                 chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
+                 save_states: bool = False):
     """The `chunk_fwd` stage (docs/stages.md) through the partitions of `plan` (`make_plan` of the same
     cu_seqlens): ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``, exact, or with the gate-driven
     warm-up where `plan.warmup` asks for it at q's dtype (`warmup_threshold`; ``auto``: also where the cost model
@@ -603,6 +604,11 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     `kernels.cp_windows` launch on the SM90 path with the warm-up, else small torch kernels), two `chunk_fwd` (M and E
     in one, `summaries`; the output pass), the scan (one `kernels.cp_scan` launch; the torch scans: J - 1 batched
     GEMMs for one dense sequence, about four small kernels per step for varlen), the final-state gather.
+
+    `save_states` (a native chunk_fwd only: `chunk_fwd(save_states=True)`): the output pass also writes the state
+    entering every chunk over the whole sequences (`state_seqs`: the layout `state_recompute` over cu_seqlens gives),
+    returned third, for the backward's chunk_bwd, split or not (`cp_chunk_bwd`'s `states`). They are the states the
+    forward used: on the warm-up path within its bound of the exact ones.
     """
     if chunk_size != BT:
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
@@ -616,11 +622,15 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
     scan = scan or ("kernel" if _kernel_scan(E, backends.kset("chunk_fwd")) else None)
     H = scan_states(M, E, plan, h0, scan)
-    o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
+    if save_states:
+        o, states, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
+                               save_states=True, state_seqs=(plan.seq, plan.N))
+    else:
+        o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
     final = ht.index_select(0, plan.last_index)
     if state_v_first:
         final = final.transpose(-1, -2).contiguous()
-    return o, final
+    return (o, final, states) if save_states else (o, final)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -859,7 +869,8 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     output pass (width V with an fp32 initial state, the serial pass's build at K = V), all K-first; with
     `backward`, also the backward's summary passes (the same without `chunk_skip`), the M pass alone over the
     fallback heads where the forward saved the partition starts (width K from the identity, zero values, with
-    `chunk_skip`), chunk_bwd (with dht) on the forward's saved chunk states (`h_seqs`) and, for
+    `chunk_skip`), the training forward's output pass that saves the chunk states (`save_states`, `state_seqs`),
+    chunk_bwd (with dht) on the forward's saved chunk states (`h_seqs`) and, for
     `FLASHDELTA_SAVE_STATES=0`, state_recompute (fp32 start states) and chunk_bwd on its states, K-first, and
     chunk_dstate with and without `chunk_take` (the exact F and the warm-up's windows), where chunk_bwd supports
     (K, V). A V-first
@@ -883,6 +894,9 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
         todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
                     zero_values=True, states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
+        # the training forward's output pass saving the chunk states over the whole sequences (`state_seqs`)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), save_states=True,
+                    state_seqs=True)
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,), h_seqs=(True, False))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))

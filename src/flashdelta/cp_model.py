@@ -30,9 +30,10 @@ WARMUP_THRESHOLD = -10.0
 # float64 calls ask for more than a truncation at e^-10 gives and stay exact unless the request says otherwise
 WARMUP_DTYPES = (torch.bfloat16, torch.float16)
 
-# ---- the training forward's saved chunk states (`autograd._saves_states`): where the forward and the backward both
-# run unsplit on one native backend, the forward writes the state entering every chunk and the backward reads it
-# instead of running state_recompute; 0 keeps the recompute (less memory held from the forward to the backward)
+# ---- the training forward's saved chunk states (`autograd._saves_states`): where one native backend runs both passes
+# and the CP code is decided on the host, the forward (split or not) writes the state entering every chunk and the
+# backward reads it instead of running state_recompute; 0 keeps the recompute (less memory held from the forward to
+# the backward)
 ENV_SAVE_STATES = "FLASHDELTA_SAVE_STATES"
 
 
@@ -354,8 +355,8 @@ def predict_bwd(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, le
     falls back). Otherwise both are the exact path's time. `starts_saved`: the unsplit forward saved the
     partitions' start states (`cp.cp_chunk_bwd`'s `starts`): no E pass and no forward scan, and the M pass walks
     only the partitions that are not their sequence's first, with the warm-up only its fallback heads
-    (`WARMUP_FALLBACK`). `states_saved`: the unsplit forward saves every chunk state instead (`ENV_SAVE_STATES`), for
-    the price of its state stores (`save_states_us`, in both paths' times): neither the serial backward nor CP's
+    (`WARMUP_FALLBACK`). `states_saved`: the forward (split or not) saves every chunk state instead (`ENV_SAVE_STATES`),
+    for the price of its state stores (`save_states_us`, in both paths' times): neither the serial backward nor CP's
     runs a state_recompute (on the backward grid's rows with an unsplit forward the stores cost 0.27-0.91x CP's
     recompute over the partitions, and 0.14-0.42x the serial recompute)."""
     if warmup is None:

@@ -444,9 +444,10 @@ def test_backward_reuses_the_forwards_prepare(gate, monkeypatch):
 
 def test_saved_states_decision(monkeypatch):
     """The training forward saves the backward's chunk states only where one native backend runs chunk_fwd and
-    chunk_bwd, the forward is not split on a host-decided CP code (a split backward reads them too, and then no
-    partition start states are saved) and FLASHDELTA_SAVE_STATES allows it; a traced code (decided inside each op)
-    saves none; a bad value of the variable raises at the call, naming it."""
+    chunk_bwd, the CP code (if any) is decided on the host (either pass may be split: a split forward saves them from
+    its output pass, a split backward reads them too, and then no partition start states are saved) and
+    FLASHDELTA_SAVE_STATES allows it; a traced code (decided inside each op) saves none; a bad value of the variable
+    raises at the call, naming it."""
     from flashdelta import autograd, cp
 
     q, v = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 4096, 4, 128, dtype=torch.bfloat16)
@@ -454,12 +455,12 @@ def test_saved_states_decision(monkeypatch):
     mixed = dispatch.Plan(dict(native.backends, chunk_bwd=dispatch.PORTABLE, state_recompute=dispatch.PORTABLE),
                           "sm90", {})
     portable = dispatch.Plan(dict.fromkeys(stages.STAGES, dispatch.PORTABLE), None, {})
-    saves = lambda code, plan: autograd._saves_states(code, plan, 1, q, v, False)  # noqa: E731
+    saves = autograd._saves_states
     monkeypatch.delenv(autograd.ENV_SAVE_STATES, raising=False)
     assert saves(0, native) and not saves(0, mixed) and not saves(0, portable)
     assert not saves(cp.CP_AUTO, native) and not saves(cp.CP_ON, native)
-    assert not saves(cp.encode(4, 4), native) and saves(cp.encode(0, 4), native)
-    assert not saves(cp.encode(4, 0), native) and not saves(cp.encode(0, 4), mixed)
+    assert saves(cp.encode(4, 4), native) and saves(cp.encode(0, 4), native) and saves(cp.encode(4, 0), native)
+    assert not saves(cp.encode(4, 4), mixed) and not saves(cp.encode(4, 4), portable)
     assert autograd._starts_every(cp.encode(0, 4), 1, q, v, False) == 4      # what it saves where states are not
     monkeypatch.setenv(autograd.ENV_SAVE_STATES, "0")
     assert not saves(0, native) and not saves(cp.encode(0, 4), native)

@@ -258,3 +258,43 @@ def test_saved_states_builds_compile(tmp_path):
         assert dyn_smem_bytes(host) <= 232448, (label, dyn_smem_bytes(host))
         report = ptxas_report(src, tmp_path, label.replace(" ", "_"))
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_state_seqs_build_compiles():
+    """Context parallelism's output pass that saves the backward's chunk states over the whole sequences
+    (`save_states` with `state_seqs`): listed where CP lists its backward's builds (`cp.builds`), not for a forward
+    alone; it compiles for sm_90a, passes the hang checks, takes ``h_seq [N]`` int32, and its CUDA is the plain
+    `save_states` build's but for that argument and the first chunk's slot read from it."""
+    import difflib
+
+    from _builds import hang_checks
+
+    from flashdelta import cp
+
+    base = fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
+    seqs = base + fused_fwd._flags(True, False, False, False, state_seqs=True)
+    saves = base + fused_fwd._flags(True, False, False, False)
+    assert seqs == base + (True, False, False, False, False, False, True)
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, SCALE,
+                                                     backward=True)}
+    assert (fused_fwd.build.__name__, seqs) in keys
+    assert seqs not in {a for _, _, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, SCALE)}
+    kernel, plain = fused_fwd.build(*seqs), fused_fwd.build(*saves)
+    src, host = kernel.get_kernel_source(), kernel.get_host_source()
+    assert hang_checks(src, host) == []
+    sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+    assert "int* __restrict__ h_seq" in sig and "hs_desc" in sig, sig
+    assert "h_seq[" in src, "the first chunk's slot comes from h_seq"
+
+    def lines(s):
+        # the CUDA with TileLang's temporaries numbered alike (one more in the state_seqs build shifts the rest)
+        return [re.sub(r"condval_\d+", "condval", ln) for ln in s.splitlines()]
+
+    diff = list(difflib.unified_diff(lines(plain.get_kernel_source()), lines(src), n=0, lineterm=""))
+    added = [ln[1:] for ln in diff if ln.startswith("+") and not ln.startswith("+++")]
+    removed = [ln[1:] for ln in diff if ln.startswith("-") and not ln.startswith("---")]
+    signature = "chunk_fwd_kernel_kernel("
+    assert all(signature in ln or "slot" in ln or "h_seq" in ln or "condval" in ln or "(i_n < N)" in ln
+               or ln.strip() in ("} else {", "}") for ln in added), added
+    assert all(signature in ln or ("tma_store(hs_desc" in ln and "i_n" in ln) for ln in removed), removed
+    assert sum("tma_store(hs_desc" in ln and "slot" in ln for ln in added) == 2, "both state stores at h_seq's slot"

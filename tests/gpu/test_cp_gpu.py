@@ -588,22 +588,29 @@ def _bwd_inputs(case, with_dht: bool):
     return x, do, torch.randn(shape, generator=gen, device="cuda") if with_dht else None
 
 
-@pytest.mark.parametrize("mode", ["fwd_split", "fwd_serial", "fwd_serial_starts"])
+# what the forward saves for the split backward, per mode: (partition start states, chunk states)
+SAVED_BY_MODE = {"fwd_split": (False, True), "fwd_split_recompute": (False, False), "fwd_serial": (False, True),
+                 "fwd_serial_starts": (True, False)}
+
+
+@pytest.mark.parametrize("mode", list(SAVED_BY_MODE))
 @pytest.mark.parametrize("i", range(len(BWD_CASES)), ids=[c.name for c, _ in BWD_CASES])
 def test_cp_backward_matches_recurrence_and_serial(i, mode, monkeypatch):
-    """With the forward split too (the backward computes its partitions' start states), with the forward serial
-    (it saves every chunk state, `chunk_fwd(save_states=True)`, and chunk_bwd reads them over the partitions:
-    `h_seqs`), and with the forward serial under FLASHDELTA_SAVE_STATES=0 (it saves the partitions' start states,
-    `chunk_fwd(partition_starts=...)`, and the backward recomputes the chunk states from them)."""
+    """With the forward split too (its output pass saves every chunk state over the whole sequences,
+    `cp.cp_chunk_fwd(save_states=True)`, and chunk_bwd reads them over the partitions: `h_seqs`), the same under
+    FLASHDELTA_SAVE_STATES=0 (the backward computes its partitions' start states and recomputes the chunk states),
+    with the forward serial (it saves every chunk state, `chunk_fwd(save_states=True)`), and with the forward serial
+    under FLASHDELTA_SAVE_STATES=0 (it saves the partitions' start states, `chunk_fwd(partition_starts=...)`, and the
+    backward recomputes the chunk states from them)."""
     from flashdelta.reference.recurrent import recurrent_gated_delta_rule
 
     case, L = BWD_CASES[i]
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
-    monkeypatch.setenv("FLASHDELTA_SAVE_STATES", "0" if mode == "fwd_serial_starts" else "1")
+    monkeypatch.setenv("FLASHDELTA_SAVE_STATES", "1" if SAVED_BY_MODE[mode][1] else "0")
     x, do, dht = _bwd_inputs(case, with_dht=i % 2 == 0)
     _, ser = _cp_grads(x, False, do, dht)
     calls = []
-    if mode == "fwd_split":
+    if mode.startswith("fwd_split"):
         real = cp.cp_chunk_bwd
         monkeypatch.setattr(cp, "cp_chunk_bwd", lambda *a, **kw: calls.append(
             (kw["plan"].L, kw.get("starts"), kw.get("states"))) or real(*a, **kw))
@@ -612,8 +619,7 @@ def test_cp_backward_matches_recurrence_and_serial(i, mode, monkeypatch):
     o, got = _cp_grads(x, L, do, dht)
     assert [c[0] for c in calls] == [L], "the backward split"
     _, starts, states = calls[0]
-    assert (starts is not None, states is not None) == {"fwd_split": (False, False), "fwd_serial": (False, True),
-                                                        "fwd_serial_starts": (True, False)}[mode], "what the forward saved"
+    assert (starts is not None, states is not None) == SAVED_BY_MODE[mode], "what the forward saved"
     x64 = {n: (t.detach().double().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t)
            for n, t in x.items()}
     o_ref, ht_ref = recurrent_gated_delta_rule(**x64, output_final_state=True)
@@ -701,19 +707,51 @@ def test_partition_starts_kernel(case):
     assert_close("starts", starts[:used], want[:used].float(), tol=2e-2)
 
 
+@pytest.mark.parametrize("case", STARTS_CASES, ids=[c.name for c in STARTS_CASES])
+def test_output_pass_saves_the_states_over_the_sequences(case):
+    """`chunk_fwd(save_states=True, state_seqs=(plan.seq, plan.N))` over CP's partitions (the split training
+    forward's output pass): o and the final states bit for bit the plain output pass's, and every chunk's state bit
+    for bit what `state_recompute` over the partitions writes for it, at the slot `state_recompute` over the whole
+    sequences uses (partition p of sequence n: its chunk c at ``cu[p] // 64 + n + c``, not ``+ p + c``)."""
+    from flashdelta.kernels import fused_fwd, prepare
+
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta, cu = _flat_inputs(x)
+    g_cumsum, A = prepare.prepare_fwd(k, g, beta, cu)
+    plan = cp.make_plan(cu, q.shape[1], 3)
+    HV, K, V = case.HV, case.K, case.V
+    H = torch.randn(plan.P, HV, K, V, generator=torch.Generator(device="cuda").manual_seed(11), device="cuda")
+    kw = dict(scale=K ** -0.5)
+    o0, ht0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, **kw)
+    o, hs, ht = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, save_states=True,
+                                    state_seqs=(plan.seq, plan.N), **kw)
+    assert torch.equal(o, o0) and torch.equal(ht, ht0)
+    N = cu.shape[0] - 1
+    assert tuple(hs.shape) == (q.shape[1] // 64 + N + 1, HV, V, K)
+    want = fused_fwd.state_recompute(k, v, g_cumsum, beta, A, H, plan.cu)
+    cu_p, seq = plan.cu.tolist(), plan.seq.tolist()
+    chunks = 0
+    for p in range(plan.P):
+        for c in range(-(-(cu_p[p + 1] - cu_p[p]) // 64)):
+            assert torch.equal(hs[cu_p[p] // 64 + seq[p] + c], want[cu_p[p] // 64 + p + c]), (p, c)
+            chunks += 1
+    assert chunks == sum(-(-n // 64) for n in case.seqlens), "every chunk of every sequence, once"
+
+
 BWD_GRAPH = Case("cp-bwd-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11)
 BWD_WARM_GRAPH = Case("cp-bwd-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 
-@pytest.mark.parametrize("warm,fwd_split,save_states", [(False, True, "1"), (True, True, "1"), (False, False, "1"),
-                                                        (False, False, "0")],
-                         ids=["exact", "warmup", "exact-fwd-serial", "exact-fwd-serial-starts"])
+@pytest.mark.parametrize("warm,fwd_split,save_states", [(False, True, "1"), (False, True, "0"), (True, True, "1"),
+                                                        (False, False, "1"), (False, False, "0")],
+                         ids=["exact", "exact-recompute", "warmup", "exact-fwd-serial", "exact-fwd-serial-starts"])
 def test_cp_forward_backward_graph_replays_with_new_lengths(warm, fwd_split, save_states, monkeypatch):
     """Forward + backward with CP in both passes captured in one CUDA graph (no host synchronisation), replayed
     with new lengths (same N and T): the gradients equal an eager step's with those lengths, and CP off's to
     rounding. With the warm-up on in both passes (FLASHDELTA_CP_WARMUP=1, benchmark gates: the backward's windows
-    on the device) the replays also take new gates. With the forward serial (`fwd_split` False) the forward saves
-    every chunk state inside the graph, or with FLASHDELTA_SAVE_STATES=0 the backward's partition start states (its
+    on the device) the replays also take new gates. The forward, split or serial (`fwd_split` False), saves every
+    chunk state inside the graph; with FLASHDELTA_SAVE_STATES=0 the split one saves nothing (the backward computes
+    its start states and recomputes the chunk states) and the serial one the backward's partition start states (its
     plan kernel and start-state stores)."""
     monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
     monkeypatch.setenv("FLASHDELTA_SAVE_STATES", save_states)

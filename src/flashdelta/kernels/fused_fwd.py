@@ -93,7 +93,8 @@ TABLE = timeline.Table(
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
           has_initial_state: bool, state_v_first: bool, save_states: bool = False, chunk_skip: bool = False,
-          zero_v: bool = False, states_only: bool = False, save_starts: bool = False, transitions: bool = False):
+          zero_v: bool = False, states_only: bool = False, save_starts: bool = False, transitions: bool = False,
+          state_seqs: bool = False):
     """The kernel for one compile-time configuration; T (tokens) and N (sequences) are dynamic. save_states: also
     write the state entering every chunk, ``S0^T`` in q's dtype (the value the chunk's GEMMs read) to
     ``hs [slots, HV, V, K]`` at the chunk's slot (`_chunks`: chunk c of sequence n is slot ``bos // BT + n + c``), for
@@ -115,7 +116,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     zero values (no v read) from the identity to ``hm [N, HV, K, K]`` (M), all K-first; with chunk_skip the M CTAs
     start at ``skip_m [N, HV]`` and the E CTAs at ``skip``, and an M walk that skips every chunk of a non-empty
     sequence gives M = 0 (a head whose start state comes from its warm-up window; an empty sequence's M is the
-    identity). Both kinds of work item share one wave and one item order.
+    identity). Both kinds of work item share one wave and one item order. state_seqs (with save_states): the states
+    go to the slots of other sequences than cu_seqlens' items (context parallelism's output pass saving them over
+    the whole sequences its partitions are chunk-aligned pieces of): item n's first chunk is slot
+    ``cu_seqlens[n] // BT + h_seq[n]``, its sequence's slot of that chunk (an extra int32 ``h_seq [N]``).
     Without these flags the kernel is unchanged."""
     # problem config
     G = HV // H
@@ -142,6 +146,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     state_shape = (N_, HV, V, K) if state_v_first else (N_, HV, K, V)
     # without save_states `hs` is no kernel parameter (a non-tensor annotation is a plain Python value to TileLang)
     hs_t = T.Tensor((T.dynamic("S"), HV, V, K), dtype) if save_states else None
+    assert not state_seqs or save_states, "state_seqs: with save_states"
+    h_seq_t = T.Tensor((N_,), "int32") if state_seqs else None
     skip_t = T.Tensor((N_, HV), "int32") if chunk_skip else None
     # with chunk_skip the CTAs take (sequence, value head) items in `item_order` (the longest walk first),
     # else sequences in `_tl.seq_order`
@@ -375,6 +381,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         o: o_t,
         ht: T.Tensor(state_shape, acc),
         hs: hs_t,
+        h_seq: h_seq_t,
         skip: skip_t,
         starts: starts_t,
         slot: slot_t,
@@ -444,7 +451,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                 eos = cu_seqlens[i_n + 1]
                 NT = T.ceildiv(eos - bos, BT)
                 n64 = T.cast(i_n, "int64")
-                slot0 = bos // BT + i_n           # chunk slot of the first chunk (save_states)
+                # chunk slot of the first chunk (save_states): in cu_seqlens' items, or their sequences' (state_seqs)
+                slot0 = bos // BT + (h_seq[i_n] if state_seqs else i_n)
 
                 if tx < 128:
                     # ================= state warpgroup =================
@@ -610,13 +618,14 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
                     chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False,
-                    transitions=False, save_states=False) -> list:
+                    transitions=False, save_states=False, state_seqs=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
     builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o),
     `partition_starts` (the training forward's partition start states) and `transitions` (the M and E passes in one
     launch, states_only implied) are what only context parallelism launches (`cp.builds`); `save_states` the training
-    forward that saves the backward's chunk states."""
+    forward that saves the backward's chunk states, with `state_seqs` over the sequences of context parallelism's
+    partitions (its output pass)."""
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
@@ -624,20 +633,21 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dt
             label = f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst}"
             for skip in chunk_skip:
                 flags = _flags(save_states, skip, zero_values, states_only or transitions, partition_starts,
-                               transitions)
+                               transitions, state_seqs)
                 out.append((label + (" save_states" if save_states else "") + (" skip" if skip else "")
                             + (" zero_v" if zero_values else "")
                             + (" states" if states_only or transitions else "")
-                            + (" starts" if partition_starts else "") + (" transitions" if transitions else ""),
+                            + (" starts" if partition_starts else "") + (" transitions" if transitions else "")
+                            + (" state_seqs" if state_seqs else ""),
                             build, args + flags))
     return out
 
 
 def _flags(save_states: bool, chunk_skip: bool, zero_v: bool, states_only: bool, save_starts: bool = False,
-           transitions: bool = False) -> tuple:
+           transitions: bool = False, state_seqs: bool = False) -> tuple:
     """The trailing `build` arguments of these flags, as short as the defaults allow (the default builds keep the
     cache keys they had before the flags existed)."""
-    flags = (save_states, chunk_skip, zero_v, states_only, save_starts, transitions)
+    flags = (save_states, chunk_skip, zero_v, states_only, save_starts, transitions, state_seqs)
     while flags and not flags[-1]:
         flags = flags[:-1]
     return flags
@@ -654,7 +664,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None, save_states=False):
+              transitions=False, transition_skip=None, save_states=False, state_seqs=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -684,6 +694,10 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             walks'; where it skips every chunk of a non-empty sequence M = 0 (not the identity).
         save_states: also return third the state entering every chunk, as `state_recompute` returns it (the
             training forward saving the backward's states; not with the context-parallel options).
+        state_seqs: with save_states, None, or ``(seq, N_seq)``: cu_seqlens' items are chunk-aligned pieces of
+            ``N_seq`` sequences (context parallelism's partitions; ``seq [N]`` integer, each item's sequence), and
+            the states go where `state_recompute` over those sequences puts them, in one ``h [T // BT + N_seq + 1,
+            HV, V, K]`` (the output pass of a split forward saving the backward's states).
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
@@ -698,7 +712,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=save_states,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
-                           transition_skip=transition_skip)
+                           transition_skip=transition_skip, state_seqs=state_seqs)
     if save_states:
         return o, third, ht          # `_launch` returns (o, hs, ht)
     return (o, ht) if partition_starts is None and not transitions else (o, ht, third)
@@ -717,10 +731,11 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-            transitions=False, transition_skip=None):
+            transitions=False, transition_skip=None, state_seqs=None):
     """Both launchers' body: (o, ht, None), (o, hs, ht) with save_states, (o, ht, starts) with partition_starts,
     or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
-    `transitions` and `transition_skip` as `chunk_fwd` takes them (`zero_values` not with save_states)."""
+    `transitions`, `transition_skip` and `state_seqs` as `chunk_fwd` takes them (`zero_values` not with
+    save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -733,9 +748,17 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     o = None if states_only else _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
-    hs = None
+    hs = h_seq = None
     if save_states:
-        hs = _tl.alloc((T_ // BT + N + 1, HV, V, K), q.dtype, dev)
+        n_seq = N
+        if state_seqs is not None:
+            h_seq, n_seq = state_seqs
+            assert tuple(h_seq.shape) == (N,) and not h_seq.dtype.is_floating_point and n_seq >= 1, \
+                "state_seqs: (seq [N] integer, N_seq >= 1)"
+            h_seq = h_seq.to(torch.int32).contiguous()
+        hs = _tl.alloc((T_ // BT + n_seq + 1, HV, V, K), q.dtype, dev)
+    else:
+        assert state_seqs is None, "state_seqs: with save_states"
     if chunk_skip is not None:
         assert not save_states and tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
             "chunk_skip: integer [N, HV], chunk_fwd only"
@@ -791,6 +814,8 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     tensors = (q.contiguous(), k.contiguous(), vt, g_cumsum.contiguous(), beta.contiguous(), A.contiguous(),
                h0.contiguous(), cu_seqlens, order, ot, ht)
     extra = (hs,) if hs is not None else ()
+    if h_seq is not None:
+        extra += (h_seq,)
     if chunk_skip is not None:
         extra += (chunk_skip,)
     if starts is not None:
@@ -798,7 +823,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     if hm is not None:
         extra += (hm,) + ((transition_skip,) if transition_skip is not None else ())
     build(*args, *_flags(save_states, chunk_skip is not None, zero_values, states_only,
-                         starts is not None, transitions))(*tensors, *extra)
+                         starts is not None, transitions, h_seq is not None))(*tensors, *extra)
     if hm is not None:
         return o, ht, hm
     return (o, hs, ht) if hs is not None else (o, ht, starts)

@@ -89,8 +89,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
         return T.Tensor(shape, dt) if dt is not None else None
 
     @T.macro
-    def sequence(b64, n64, bos, ln, i_hv, i_h, col, q, k, v, g, gk, gv, beta, h0, A_log, dt_bias, o, ht,
-                 tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc):
+    def load_state(n64, i_hv, col, h0, s, hc):
         # ---- state column in: S[:, col] (fp32) ----
         if h0_dtype is not None:
             if state_v_first:
@@ -105,6 +104,10 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
         else:
             for kk in T.unroll(K):
                 s[kk] = 0.0
+
+    @T.macro
+    def sequence(b64, n64, bos, ln, i_hv, i_h, col, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
+                 tx, s, kc, qc, k_s, q_s, e_s, acc, sc):
         for i in T.serial(ln):
             t64 = T.cast(bos + i, "int64")
             # ---- per-token scalars: the log decay of this column, beta, v ----
@@ -225,13 +228,17 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
                     for i in T.serial(T_ - tb):
                         o[0, T.cast(tb + i, "int64"), i_hv, col] = T.cast(0, v_dtype)
                 else:
+                    # the state's loads go out before cu_seqlens is read: they do not depend on it, and issued
+                    # after it they would wait for its round trip (in-order issue stalls at bos's first use)
+                    load_state(n64, i_hv, col, h0, s, hc)
                     bos = T.min(T.max(cu_seqlens[i_n], 0), T_)
                     eos = T.min(T.max(cu_seqlens[i_n + 1], bos), T_)
                     sequence(T.cast(0, "int64"), n64, bos, eos - bos, i_hv, i_h, col, q, k, v, g, gk, gv, beta,
-                             h0, A_log, dt_bias, o, ht, tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc)
+                             A_log, dt_bias, o, ht, tx, s, kc, qc, k_s, q_s, e_s, acc, sc)
             else:
-                sequence(n64, n64, 0, T_, i_hv, i_h, col, q, k, v, g, gk, gv, beta, h0, A_log, dt_bias, o, ht,
-                         tx, s, kc, qc, hc, k_s, q_s, e_s, acc, sc)
+                load_state(n64, i_hv, col, h0, s, hc)
+                sequence(n64, n64, 0, T_, i_hv, i_h, col, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
+                         tx, s, kc, qc, k_s, q_s, e_s, acc, sc)
 
     return decode_kernel
 

@@ -17,7 +17,9 @@ one float64 addition after the other from 0 (the order of torch's cumsum over a 
 
 One CTA per (slot, key head) of `THREADS` threads, for the key head's HV // H value heads: the gates of `LT` chunks
 at a time staged in shared memory, one thread per value head adding them in order; then (slots that decide only) the
-partition's tokens in tiles of ``TILE // K`` tokens, the next tile's loads issued before the current one is checked:
+partition's tokens in tiles of ``TILE // K`` tokens, the next tile's loads issued before the current one is checked
+(one tile in flight, so a partition costs one load round trip per tile: 256 tokens a tile at K = 128 on 512 threads,
+where 128 on 256 threads took ~24 us at 2/8 1x32768, 16 round trips of a 2048-token partition):
 the squared key norms in fp32 (k read once, coalesced; their sum order and fast-math rounding may differ from
 torch's `vector_norm` in the last bits, so a product within a few ulps of the limit may decide differently), the
 products ``beta ||k||^2`` in beta's promotion with fp32 (float64 for float64 beta) and a shared flag per value head.
@@ -30,9 +32,9 @@ import torch
 from . import _tl
 
 BT = 64
-THREADS = 256
+THREADS = 512
 LT = 64                    # chunks per staging tile of the suffix sums
-TILE = 16384               # key elements per contraction tile (its tokens: TILE // K)
+TILE = 32768               # key elements per contraction tile (its tokens: TILE // K)
 SKIP_ALL = 1 << 30         # `cp.SKIP_ALL` and `cp.TAKE_ALL`
 K_DTYPES = (torch.bfloat16, torch.float16)
 BETA_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

@@ -19,14 +19,16 @@ step, so nothing is gained by rounding. The build uses the project's fast-math p
 
 One CTA (`threads`: 128, one warp per SM sub-partition; 256 at BV = 8) per (sequence, value head, V tile of `BV`
 columns), walking the sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two
-buffers: step j reads one and writes the other, so one CTA barrier per step suffices); thread t owns the output rows
-``TM (t // CG) ..`` (TM rows) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column groups), TM x 4 accumulators
-in registers. M_p (64 KB at K = 128, read by the V / BV tiles of one head: L2-resident) and the bias tile (E_p or
-F_p, ``[K, BV]``) are streamed by cp.async into a second shared buffer one step ahead, so step p's loads run under
-step p - 1's FMAs. The shared rows are padded by 4 floats (consecutive rows of M start 4 banks apart): the
-backward's 16-byte reads of M (4 consecutive rows of one M row) and the state stores are free of bank conflicts; the
-forward's reads of M by a warp's 8 row groups, TM rows apart, are 4-way at TM = 4 and 8-way at TM = 8
-(docs/dev/cp.md, "What comes next" 1).
+buffers: step j reads one and writes the other, so one CTA barrier per step suffices); thread t owns TM output rows
+of row group ``t // CG`` (RG = THREADS / CG groups) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column
+groups), TM x 4 accumulators in registers. M_p (64 KB at K = 128, read by the V / BV tiles of one head:
+L2-resident) and the bias tile (E_p or F_p, ``[K, BV]``) are streamed by cp.async into a second shared buffer one
+step ahead, so step p's loads run under step p - 1's FMAs. The shared rows are padded by 4 floats (a row of M is 528
+bytes: consecutive rows start 4 banks apart), so a warp's 16-byte reads of 8 consecutive rows hit 8 distinct bank
+quads. The forward reads rows of M, so its row groups interleave (group g owns rows ``g, g + RG, ..``: a warp reads
+8 consecutive rows); groups of TM consecutive rows would put a warp's 8 rows TM apart, 4- or 8-way conflicts at
+TM = 4 or 8. The backward reads columns of M (16 bytes: 4 consecutive output rows of one M row), so its groups hold
+TM consecutive rows.
 
 Cost per step (K = 128, BV = 16, TM = 4): 2048 FMAs and 256 16-byte shared loads per thread, ~2.4 k issue slots on
 one warp per sub-partition, ~1.2 us at 1.98 GHz, plus ~0.2 us of barrier and cp.async wait; the M load is 64 KB per
@@ -112,6 +114,12 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
         # mv's index of (k offset kk, row r): the forward reads rows of M (4 k per row), the backward columns
         return kk * TM + r if reverse else r * 4 + kk
 
+    def row(rg, r):
+        # the r-th output row of row group rg: the forward interleaves the groups (a warp's 8 groups read 8
+        # consecutive rows of M, whose padded rows fall in 8 distinct bank quads); the backward reads M^T along the
+        # rows, 4 consecutive rows of one M row per 16-byte read, so its groups hold TM consecutive rows
+        return rg * TM + r if reverse else rg + RG * r
+
     def opt(shape, on):
         return T.Tensor(shape, F32) if on else None
 
@@ -135,7 +143,7 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             v0 = (bx % NV) * BV
-            r0 = (tx // CG) * TM             # first output row of this thread
+            rg = tx // CG                    # this thread's row group
             c0 = (tx % CG) * 4               # first column (within the tile)
             M_s = T.alloc_shared((2, K, K + PAD), F32)
             X_s = T.alloc_shared((2, K, BV + PAD), F32)
@@ -157,16 +165,16 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
                 for r in T.unroll(TM):
                     for t in T.vectorized(4):
                         if has_init:
-                            acc[r * 4 + t] = init[n64, i_hv, r0 + r, v0 + c0 + t]
+                            acc[r * 4 + t] = init[n64, i_hv, row(rg, r), v0 + c0 + t]
                         else:
                             acc[r * 4 + t] = 0.0
                 for r in T.unroll(TM):
                     for t in T.vectorized(4):
-                        S_s[0, r0 + r, c0 + t] = acc[r * 4 + t]
+                        S_s[0, row(rg, r), c0 + t] = acc[r * 4 + t]
                 if cnt > 0:
                     for r in T.unroll(TM):
                         for t in T.vectorized(4):
-                            H[slot(p0, p1, 0), i_hv, r0 + r, v0 + c0 + t] = acc[r * 4 + t]
+                            H[slot(p0, p1, 0), i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
                 if nmul > 0:
                     prefetch(M, X, M_s, X_s, slot(p0, p1, 0), i_hv, v0, 0)
                 for j in T.serial(nmul):
@@ -177,18 +185,18 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
                         prefetch(M, X, M_s, X_s, slot(p0, p1, j + 1), i_hv, v0, 1 - b)
                     for r in T.unroll(TM):
                         for t in T.vectorized(4):
-                            acc[r * 4 + t] = X_s[b, r0 + r, c0 + t]
+                            acc[r * 4 + t] = X_s[b, row(rg, r), c0 + t]
                     for kb in T.unroll(K // 4, annotations={"pragma_unroll_factor": UNROLL}):
                         # 4 k values: the thread's TM x 4 block of M (or M^T) and the state's 4 x 4 block
                         if reverse:
                             for kk in T.unroll(4):
                                 for r4 in T.unroll(TM // VW):
                                     for t in T.vectorized(VW):
-                                        mv[mi(kk, r4 * VW + t)] = M_s[b, kb * 4 + kk, r0 + r4 * VW + t]
+                                        mv[mi(kk, r4 * VW + t)] = M_s[b, kb * 4 + kk, row(rg, r4 * VW + t)]
                         else:
                             for r in T.unroll(TM):
                                 for t in T.vectorized(4):
-                                    mv[mi(t, r)] = M_s[b, r0 + r, kb * 4 + t]
+                                    mv[mi(t, r)] = M_s[b, row(rg, r), kb * 4 + t]
                         for kk in T.unroll(4):
                             for t in T.vectorized(4):
                                 sv[kk * 4 + t] = S_s[b, kb * 4 + kk, c0 + t]
@@ -198,21 +206,21 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
                                     acc[r * 4 + t] = acc[r * 4 + t] + mv[mi(kk, r)] * sv[kk * 4 + t]
                     for r in T.unroll(TM):
                         for t in T.vectorized(4):
-                            S_s[1 - b, r0 + r, c0 + t] = acc[r * 4 + t]
+                            S_s[1 - b, row(rg, r), c0 + t] = acc[r * 4 + t]
                     if j + 1 < cnt:
                         for r in T.unroll(TM):
                             for t in T.vectorized(4):
-                                H[slot(p0, p1, j + 1), i_hv, r0 + r, v0 + c0 + t] = acc[r * 4 + t]
+                                H[slot(p0, p1, j + 1), i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
                 if store_final:
                     for r in T.unroll(TM):
                         for t in T.vectorized(4):
-                            final[n64, i_hv, r0 + r, v0 + c0 + t] = acc[r * 4 + t]
+                            final[n64, i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
             else:
                 # ---- the padding row: zeros in every unused slot ----
                 for p in T.serial(P_ - p1):
                     for r in T.unroll(TM):
                         for t in T.vectorized(4):
-                            H[T.cast(p1 + p, "int64"), i_hv, r0 + r, v0 + c0 + t] = 0.0
+                            H[T.cast(p1 + p, "int64"), i_hv, row(rg, r), v0 + c0 + t] = 0.0
 
     return cp_scan_kernel
 

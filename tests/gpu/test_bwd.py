@@ -227,6 +227,7 @@ def test_chunk_bwd_many_sequences():
         assert_close(name, a, r)
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("case", [cases.BWD_BIG, cases.BWD_BIG_GVA2], ids=str)
 def test_chunk_bwd_offsets_past_2_31_elements(case):
     """A sequence whose dq/dk rows start at element 2^31 and whose states sit past 2^31 elements of h: its gradients

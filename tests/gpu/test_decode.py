@@ -277,6 +277,7 @@ def test_no_tokens():
         assert ht.data_ptr() != x["initial_state"].data_ptr()
 
 
+@pytest.mark.bigmem
 def test_state_past_2_31_elements():
     """131,073 sequences x 1 head x 128 x 128: the state tensors hold more than 2^31 elements (8 GiB each). The last
     sequences (offsets past 2^31) must match, bit for bit, the kernel run on them alone, and that run the reference."""

@@ -105,6 +105,7 @@ def test_chunk_fwd_graph_capturable():
     assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)
 
 
+@pytest.mark.bigmem
 def test_offsets_past_2_31_elements():
     """A sequence whose o rows start at element 2^31 (o, v: [1, T, 64, 128]): the 64-bit offsets of the prepare
     and fused kernels. Its outputs from the big launch must equal, bit for bit, a launch on that sequence alone."""

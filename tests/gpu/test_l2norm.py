@@ -30,6 +30,7 @@ def test_l2norm_empty():
     assert y.shape == (1, 0, 4, 128) and rstd.shape == (1, 0, 4, 1)
 
 
+@pytest.mark.bigmem
 def test_l2norm_offsets_past_2_31_elements():
     """Rows whose elements start past 2^31 (x [1, T, H, K] bf16, 4.3 GB, and y alike): y and rstd of the big launch
     equal, bit for bit, a launch on the last rows alone (from one row before element 2^31), and match the float64

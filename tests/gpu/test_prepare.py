@@ -92,6 +92,7 @@ def test_prepare_fwd_int64_cu_seqlens_and_graph_capture():
     assert torch.equal(g_out, g_ref) and torch.equal(A_out, A_ref)
 
 
+@pytest.mark.bigmem
 def test_prepare_fwd_offsets_past_2_31_elements():
     """GVA 1 (the persistent kernel): a sequence whose A rows start at element 2^31 ([1, T, 16, 64]); its g_cumsum
     and A from the big launch equal, bit for bit, a launch on that sequence alone (64-bit offsets)."""

@@ -623,7 +623,7 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     scan = scan or ("kernel" if _kernel_scan(E, backends.kset("chunk_fwd")) else None)
     H = scan_states(M, E, plan, h0, scan)
     if save_states:
-        o, states, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
+        o, ht, states = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
                                save_states=True, state_seqs=(plan.seq, plan.N))
     else:
         o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)

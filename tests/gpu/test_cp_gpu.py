@@ -723,7 +723,7 @@ def test_output_pass_saves_the_states_over_the_sequences(case):
     H = torch.randn(plan.P, HV, K, V, generator=torch.Generator(device="cuda").manual_seed(11), device="cuda")
     kw = dict(scale=K ** -0.5)
     o0, ht0 = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, **kw)
-    o, hs, ht = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, save_states=True,
+    o, ht, hs = fused_fwd.chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, save_states=True,
                                     state_seqs=(plan.seq, plan.N), **kw)
     assert torch.equal(o, o0) and torch.equal(ht, ht0)
     N = cu.shape[0] - 1

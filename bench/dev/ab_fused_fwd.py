@@ -8,8 +8,11 @@ flashdelta.kernels:
     source .device/bootstrap.sh; python3 bench/dev/ab_fused_fwd.py --variant main=/tmp/fused_fwd_main.py \\
         [--rows 16/32:6413+6673+10954+8728] [--precompile]
 
---precompile (CPU machine, TILELANG_CACHE_DIR set) compiles every variant's builds for the rows and exits.
+--precompile (CPU machine, TILELANG_CACHE_DIR set) compiles every variant's builds for the rows and exits. Each row
+also times the shipped module's `chunk_fwd(wide=True)` (the one-CTA-per-head build) against its default build,
+interleaved, with the outputs compared.
 """
+import inspect
 import os
 import sys
 
@@ -43,14 +46,22 @@ def fwd_row(row: str) -> tuple:
     return hh, sl, inp, inp.q.shape[-1] ** -0.5, g_cumsum, A, owned
 
 
+def _has_wide(m) -> bool:
+    return "wide" in inspect.signature(m.chunk_fwd).parameters
+
+
 def _builds(m, h: int, hv: int) -> list:
+    fwd = [dict(wide=True)] if _has_wide(m) else []
     return (m.state_recompute_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32,
                                      initial_state=(True,))
-            + m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
-                                initial_state=(True,)))
+            + [b for kw in [{}] + fwd
+               for b in m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                          initial_state=(True,), **kw)])
 
 
 def main():
+    import timing
+
     args, mods = setup(__doc__, "fused_fwd", ROWS)
     if args.precompile:
         precompile(args.rows, mods, _builds)
@@ -74,6 +85,18 @@ def main():
                 out, ref = (out[owned], ref[owned]) if kernel == "state_recompute" else (out[0], ref[0])
                 line += f"  {n}: {_diff(out, ref)}"
             print(line, flush=True)
+        m = mods["shipped"]
+        if _has_wide(m):
+            # the shipped module's default and wide builds, interleaved
+            fwd = {"narrow": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
+                   "wide": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, wide=True)}
+            outs = {n: f() for n, f in fwd.items()}
+            torch.cuda.synchronize()
+            t = timing.time_runners({n: timing.make_runner(f, stream=stream) for n, f in fwd.items()},
+                                    stream=stream, flush=None)
+            print(f"{hh:>6} {sl:>28} {'narrow / wide':>16} {t['narrow'].ms:12.4f} {t['wide'].ms:12.4f}  "
+                  f"o: {_diff(outs['wide'][0], outs['narrow'][0])}, ht: {_diff(outs['wide'][1], outs['narrow'][1])}",
+                  flush=True)
 
 
 if __name__ == "__main__":

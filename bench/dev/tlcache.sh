@@ -8,11 +8,14 @@
 # machine when both sides run the same TileLang build. The peers' TileLang kernels (FlashQLA's) compile only on the GPU
 # machine (their target comes from the device): `PACK_NEW=1 bash bench/dev/grid.sh ...` returns the kernels a grid
 # call compiled as $OUT/tl-new-<half>.tar.xz; saved as .cache/tl-peers.tar.xz and carried, `unpack` adds them, so the
-# next grid's phase 1 finds FlashQLA's kernels compiled (it took ~300 s a backward grid call).
+# next grid's phase 1 finds FlashQLA's kernels compiled (it took ~300 s a backward grid call). Every other
+# .cache/tl-*.tar.xz carried (archives of a tl-ship/ directory: a parked kernel's builds) is added the same way.
 case "${1:-}" in
   pack) XZ_OPT=${XZ_OPT:-"-9e -T0"} tar -C .cache -cJf .cache/tl-ship.tar.xz tl-ship && ls -la .cache/tl-ship.tar.xz ;;
-  unpack) python3 -c "import tarfile; tarfile.open('.cache/tl-ship.tar.xz').extractall('/tmp')" &&
-          { [ ! -f .cache/tl-peers.tar.xz ] || python3 -c "import tarfile; tarfile.open('.cache/tl-peers.tar.xz').extractall('/tmp')"; } &&
+  unpack) for f in .cache/tl-ship.tar.xz $(ls .cache/tl-*.tar.xz | grep -v /tl-ship.tar.xz); do   # tl-ship first
+            [ -f "$f" ] && python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('/tmp')" "$f"
+          done
+          [ -d /tmp/tl-ship ] &&
           export TILELANG_CACHE_DIR=/tmp/tl-ship && echo "TileLang cache: $(ls /tmp/tl-ship/*/linux-x86_64/kernels | wc -l) kernels" ;;
   *) echo "usage: bench/dev/tlcache.sh pack|unpack" >&2 ;;
 esac

@@ -2,7 +2,7 @@
 
 - the device plan equals the float64 reference's `partition` (ragged edges, empty and short sequences, dense);
 - the summary launches (zero values from I; v from 0) give the reference's (M, E); both scans equal
-  `scan_states`;
+  `scan_states`; the split forward that saves the chunk states hands on what its chunk_fwd returns third;
 - CP on vs off through the public API: o and final state agree to fp32 rounding (float64: ~1e-15), model gates
   with a never-decaying head, h0 present / absent, both state layouts, GVA; torch.compile(fullgraph=True) traces it;
 - the boundary states (M, E, start states, F, dS) stay fp32 on a bf16 call;
@@ -139,6 +139,42 @@ def test_scan_dense_regular(method):
     E, M = rcp.partition_summaries(k, v, g_cumsum, beta, A, parts)
     assert_close("h", cp.scan_states(M, E, plan, x["initial_state"], method),
                  rcp.scan_states(E, M, parts, x["initial_state"])[0], tol=1e-12)
+
+
+def test_split_forward_hands_on_the_states_chunk_fwd_returns_third():
+    """`cp_chunk_fwd(save_states=True)` over a kernel set whose chunk_fwd saves the chunk states as the SM90 launcher
+    does (``(o, ht, states)`` with `state_seqs`; here the portable chunk_fwd and a marker for the states): it returns
+    the plain split forward's o and final states and the launcher's states third, and asks for them over the plan's
+    sequences. (On the GPU the split forward once took the states second: the backward read final states as chunk
+    states.)"""
+    x, q, k, v, g_cumsum, beta, A, cu = _stage_inputs(SUMMARY_CASE, F64)
+    plan = cp.make_plan(cu, q.shape[1], 3)
+    marker = torch.zeros(1)
+    seen = []
+
+    def chunk_fwd(*args, save_states=False, state_seqs=None, **kw):
+        out = portable.chunk_fwd(*args, **kw)
+        if not save_states:
+            return out
+        seen.append(state_seqs)
+        return out[0], out[1], marker
+
+    kset = dispatch.load(dispatch.PORTABLE)._replace(chunk_fwd=chunk_fwd)
+
+    class Backends:
+        def kset(self, stage):
+            return kset
+
+        def fn(self, stage):
+            return getattr(kset, stage)
+
+    args = (q, k, v, g_cumsum, beta, A, x["initial_state"], cu)
+    kw = dict(scale=0.25, plan=plan, backends=Backends())
+    o0, ht0 = cp.cp_chunk_fwd(*args, **kw)
+    o1, ht1, states = cp.cp_chunk_fwd(*args, save_states=True, **kw)
+    assert states is marker
+    assert torch.equal(o1, o0) and torch.equal(ht1, ht0)
+    assert len(seen) == 1 and seen[0][0] is plan.seq and seen[0][1] == plan.N
 
 
 # ----------------------------------------------------------------------------------------- CP on vs off

@@ -755,13 +755,13 @@ def scan_grads(M: Tensor, F: Tensor, plan: CPPlan, dht: Optional[Tensor], method
     last partition = its dht (docs/algorithm.md §4.3, `reference.cp.scan_grads`). `method` as in `scan_states`:
     ``"serial"`` (J steps, last first) or ``"log"`` (`scan_log` over the reversed slots with ``(M^T, F)``)."""
     P, HV, K, V = F.shape
-    dT = _h0(dht, plan.N, HV, K, V, F.dtype, F.device)
     if method is None:
         method = scan_cost(P, plan.J, HV, K, V)[1]
     if method == "kernel":
         from .kernels import cp_scan  # noqa: PLC0415 - TileLang only where the kernel runs
 
-        return cp_scan.scan_bwd(M.contiguous(), F.contiguous(), dht, _part_cu(plan))
+        return cp_scan.scan_bwd(M.contiguous(), F.contiguous(), dht, _part_cu(plan))     # dht None: no zeros filled
+    dT = _h0(dht, plan.N, HV, K, V, F.dtype, F.device)
     if method == "serial":
         return _grads_serial(M, F, plan, dT)
     if method == "log":

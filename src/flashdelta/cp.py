@@ -564,7 +564,7 @@ def _transitions(q, k, zeros, g_cumsum, beta, A, plan: CPPlan, walk: Tensor, ski
     ``[1, T, HV, K]`` placeholder of the zero values (never read)."""
     K = k.shape[-1]
     eye = torch.eye(K, dtype=state_dtype, device=k.device)
-    start = torch.where(walk[:, :, None, None], eye, eye.new_zeros(()))                          # [P, HV, K, K]
+    start = eye * walk[:, :, None, None]                  # [P, HV, K, K]: I where walked, else 0 (one launch)
     return chunk_fwd(q, k, zeros, g_cumsum, beta, A, start, plan.cu, scale=scale, state_v_first=False,
                      chunk_skip=skip, zero_values=True, states_only=True)[1]
 

@@ -147,7 +147,7 @@ def test_state_recompute(case):
     base = (base if case.state_v_first else base.transpose(-1, -2)).to(case.dtype)
     assert_close("h", got, want[[g for _, g in pairs]], baseline=base[[g for _, g in pairs]])
     # the states-only build's state chain is the full forward's: its final state is chunk_fwd's bit for bit
-    _, _, ht = fused_fwd._launch(x["k"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
+    _, ht, _ = fused_fwd._launch(x["k"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],
                                  x["cu_seqlens"], scale=1.0, state_v_first=case.state_v_first, chunk_size=BT,
                                  save_states=True, states_only=True)
     _, ht_fwd = fused_fwd.chunk_fwd(x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], x["initial_state"],

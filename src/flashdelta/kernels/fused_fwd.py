@@ -713,9 +713,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
                            transition_skip=transition_skip, state_seqs=state_seqs)
-    if save_states:
-        return o, third, ht          # `_launch` returns (o, hs, ht)
-    return (o, ht) if partition_starts is None and not transitions else (o, ht, third)
+    return (o, ht) if partition_starts is None and not transitions and not save_states else (o, ht, third)
 
 
 def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state_v_first=False, chunk_size=64):
@@ -724,7 +722,7 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
     chunk c of sequence n at slot ``cu_seqlens[n] // BT + n + c`` (slots no chunk owns are not written). Runs the
     fused forward's states-only build with its state output on (no q, no Q K^T, Pg or O GEMMs, no o): its states
     are the full build's bit for bit, because the state chain is the same code."""
-    _, h, _ = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
+    _, _, h = _launch(k, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, scale=1.0, state_v_first=state_v_first,
                       chunk_size=chunk_size, save_states=True, states_only=True)
     return h
 
@@ -732,7 +730,7 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
             transitions=False, transition_skip=None, state_seqs=None):
-    """Both launchers' body: (o, ht, None), (o, hs, ht) with save_states, (o, ht, starts) with partition_starts,
+    """Both launchers' body: (o, ht, None), (o, ht, hs) with save_states, (o, ht, starts) with partition_starts,
     or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
     `transitions`, `transition_skip` and `state_seqs` as `chunk_fwd` takes them (`zero_values` not with
     save_states)."""
@@ -793,7 +791,7 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
             starts.index_copy_(0, slot.long(), ht.transpose(-1, -2) if state_v_first else ht)
         if hm is not None:      # every sequence is empty: M = I
             return o, ht, hm.copy_(torch.eye(K, device=dev).expand(N, HV, K, K))
-        return (o, hs, ht) if hs is not None else (o, ht, starts)
+        return o, ht, (hs if hs is not None else starts)
     cu_seqlens = _tl.cu_seqlens_int32(cu_seqlens)
     h0 = initial_state if initial_state is not None else ht
     args = builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None, state_v_first)
@@ -826,4 +824,4 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
                          starts is not None, transitions, h_seq is not None))(*tensors, *extra)
     if hm is not None:
         return o, ht, hm
-    return (o, hs, ht) if hs is not None else (o, ht, starts)
+    return o, ht, (hs if hs is not None else starts)

@@ -22,7 +22,7 @@ if [ "${PRECOMPILE:-0}" = 1 ]; then
   timeout 330 python3 -u bench/dev/precompile_par.py ${PRECOMPILE_ARGS:---tests} --jobs "$(nproc)" --budget-s 280 \
     > $L/precompile.log 2>&1
   echo "precompile: $(grep -c '^\[shard' $L/precompile.log) builds, $(grep -c 'budget spent' $L/precompile.log) skipped, at $(( $(date +%s) - t0 )) s"
-  XZ_OPT=-T0 tar -C "$(dirname "$TILELANG_CACHE_DIR")" -cJf "$OUT/tl-ship.tar.xz" "$(basename "$TILELANG_CACHE_DIR")"
+  XZ_OPT="-9e -T0" tar -C "$(dirname "$TILELANG_CACHE_DIR")" -cJf "$OUT/tl-ship.tar.xz" "$(basename "$TILELANG_CACHE_DIR")"
 fi
 # phase 1: the GPU test files in parallel (kernel compiles dominate unless the cache is carried), then the bigmem
 # tests (tensors past 2^31 elements, up to ~76 GB) one at a time: two of them at once overflow an 80 GB H100.

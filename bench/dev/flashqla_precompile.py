@@ -8,8 +8,8 @@ this script sets. To reach every factory with the arguments a benchmark row give
 forward (and backward) on CPU tensors made by the benchmark's `make_inputs`, with the CUDA queries FlashQLA makes
 answered as an H100 would (SM90, 132 SMs) and every kernel launch skipped: the factories compile, nothing runs,
 and no result is read. Each case runs twice, at the correctness gate's lengths and at its own, as `run.py` does.
-(Checked against kernels the GPU machine compiled: the 12 kernels of 8/16 1x8192's forward and backward have the
-same cache keys.)
+(Checked against the kernels the GPU machine compiled for the 4/8 and 8/16 backward grids: the same 32 cache keys,
+none missing.)
 
     unzip -q -o .device/wheels/flash_qla-*.whl -d /tmp/fq      # FlashQLA's wheel is pure Python
     TILELANG_CACHE_DIR=.cache/tl-fq PYTHONPATH=/tmp/fq python3 bench/dev/flashqla_precompile.py --suite bwd \\

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import sys
 import time
@@ -48,13 +49,8 @@ def _pretend_sm90():
 
 
 def _kernels(cache: str) -> set:
-    root = os.path.join(cache, os.listdir(cache)[0]) if os.path.isdir(cache) and os.listdir(cache) else None
-    out = set()
-    if root:
-        for dirpath, dirnames, _ in os.walk(root):
-            if os.path.basename(dirpath) == "kernels":
-                out |= set(dirnames)
-    return out
+    """The kernel directories in a TileLang cache (<cache>/<version>/<platform>/kernels/<key>)."""
+    return {os.path.basename(d) for d in glob.glob(os.path.join(cache, "*", "*", "kernels", "*"))}
 
 
 def main() -> int:

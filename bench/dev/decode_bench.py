@@ -11,7 +11,7 @@ is a device copy of the state (``torch.Tensor.copy_``, the same state bytes read
 what this timing method gives a kernel that only moves those bytes.
 
     source .device/bootstrap.sh; python3 -u bench/dev/decode_bench.py [--batches 1 32 256] [--heads 16/32 2/8]
-        [--varlen] [--out $OUT/decode.csv]
+        [--varlen] [--lanes 1 4] [--out $OUT/decode.csv]
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/decode_bench.py --precompile     # on the CPU machine
 
 --precompile compiles (no GPU) every decode build this benchmark and tests/gpu/test_decode.py launch.
@@ -76,11 +76,28 @@ def backend(name: str):
             os.environ["FLASHDELTA_BACKEND"] = old
 
 
-def providers(use_fla: bool) -> dict:
+@contextlib.contextmanager
+def forced_lanes(n: int):
+    """The decode launcher with n lanes per value column instead of its own pick (`decode.lanes_for`)."""
+    from flashdelta.kernels import decode
+
+    real = decode.lanes_for
+    decode.lanes_for = lambda *args: n
+    try:
+        yield
+    finally:
+        decode.lanes_for = real
+
+
+def providers(use_fla: bool, lanes: tuple = ()) -> dict:
     from flashdelta import fused_recurrent_gated_delta_rule as fd
 
     def kernel(x):
         with backend("sm90"):
+            return fd(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def kernel_lanes(x, n):
+        with backend("sm90"), forced_lanes(n):
             return fd(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     def portable(x):
@@ -88,6 +105,8 @@ def providers(use_fla: bool) -> dict:
             return fd(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     out = {"flashdelta": kernel, "torch": portable}
+    for n in lanes:
+        out[f"lanes{n}"] = lambda x, n=n: kernel_lanes(x, n)
     if use_fla:
         try:
             os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -118,7 +137,7 @@ def check(fns: dict, x: dict) -> dict:
 
 
 def run(args) -> int:
-    fns = providers(not args.no_fla)
+    fns = providers(not args.no_fla, tuple(args.lanes))
     stream = torch.cuda.Stream()
     flush = timing.L2Flush(args.flush_mb)
     rows = []
@@ -205,6 +224,8 @@ def main() -> int:
     ap.add_argument("--heads", nargs="+", default=["16/32", "2/8"], help="H/HV pairs")
     ap.add_argument("--varlen", action="store_true", help="also the varlen form (cu_seqlens = arange(B + 1))")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--lanes", type=int, nargs="*", default=[],
+                    help="also time the kernel with these lanes per value column forced (columns lanesN)")
     ap.add_argument("--budget-ms", type=float, default=200.0)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--flush-mb", type=int, default=256)

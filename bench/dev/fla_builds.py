@@ -486,11 +486,12 @@ def decode_builds(c: Decode) -> tuple:
                                beta_dtype=kernel(c.beta_dtype), h0_dtype=kernel(c.h0_dtype),
                                output_final_state=c.final, state_v_first=c.state_v_first, varlen=varlen, scale=scale,
                                qk_l2norm=c.l2norm, a_log_dtype=kernel(a_log), dt_bias_dtype=kernel(dt_bias),
-                               beta_act=beta_act)
+                               beta_act=beta_act, lanes=decode.lanes_for(len(c.cu) - 1 if varlen else c.B, c.HV, c.D,
+                                                                          NUM_SMS))
     label = (f"decode H={c.H} HV={c.HV} K={c.D} V={c.D} {_dtype_name(c.dtype)}/{_dtype_name(c.v_dtype)} "
              f"h0={c.h0_dtype is not None} v_first={c.state_v_first} varlen={varlen} final={c.final} "
              f"l2norm={c.l2norm}" + (f" gate(dt_bias={dt_bias is not None})" if c.gate else "")
-             + (f" beta_act={beta_act}" if beta_act else ""))
+             + (f" beta_act={beta_act}" if beta_act else "") + f" lanes={args[-1]}")
     return "sm90 decode kernel", [(label, decode.build, args)]
 
 

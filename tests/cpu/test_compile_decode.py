@@ -4,9 +4,10 @@ launcher with the builds `recorded_builds` lists; `sm90.decode_builds` (what `fl
 decode) is the launcher's table; and the dispatch picks the kernel only where it can run; under torch.compile a forward-only CUDA call is the custom op
 ``flashdelta::fused_recurrent_fwd`` (one graph node that launches the kernel), traced without graph breaks.
 
-The compiles are the CI's most expensive part here (~2 s each), so only three builds compile: a model's decode step
+The compiles are the CI's most expensive part here (~2 s each), so only five builds compile: a model's decode step
 (dense, fp32 g, bf16 beta, l2norm, fp32 state), every option at once (varlen, V-first bf16 state, in-kernel gate with
-dt_bias, gk, gv, per-channel beta with 2 sigmoid), and the smallest (K = V = 64, fp32, no optional input).
+dt_bias, gk, gv, per-channel beta with 2 sigmoid), and the smallest (K = V = 64, fp32, no optional input), the first
+two also with four lanes per value column (the K split short grids take).
 ``python bench/dev/decode_bench.py --precompile`` compiles every build the GPU tier uses.
 """
 import importlib.util
@@ -49,7 +50,8 @@ EVERY_OPTION = decode.builder_args(2, 8, 128, 128, torch.bfloat16, torch.bfloat1
 SMALLEST = decode.builder_args(2, 4, 64, 64, torch.float32, torch.float32, g_dtype=None, beta_dtype=None,
                                h0_dtype=None, output_final_state=False, varlen=False, scale=64 ** -0.5,
                                qk_l2norm=False)
-BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST}
+BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST,
+          "model-lanes4": MODEL[:-1] + (4,), "every-option-lanes4": EVERY_OPTION[:-1] + (4,)}
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +81,12 @@ def test_gpu_tier_calls_reach_the_launcher():
     for name, args in recorded:
         by_case.setdefault(name, []).append(args)
     assert set(by_case) == {c.name for c in GPU.CASES}
-    assert all(len(v) == 1 for v in by_case.values())
+    # one launch per call, with each of the forced lanes per value column, nothing else differing
+    assert all([a[-1] for a in v] == list(GPU.LANES) and len({a[:-1] for a in v}) == 1 for v in by_case.values())
+    assert GPU.LANES == decode.LANES
     args = dict((name, a[0]) for name, a in by_case.items())
-    assert args["gate-nobias-negeig-channel-vfirst"][-3:] == ("float32", None, 2)       # A_log, dt_bias, 2 sigmoid
-    assert args["gate-bias-sigmoid-T4"][-3:] == ("float32", "bfloat16", 1)
+    assert args["gate-nobias-negeig-channel-vfirst"][-4:-1] == ("float32", None, 2)     # A_log, dt_bias, 2 sigmoid
+    assert args["gate-bias-sigmoid-T4"][-4:-1] == ("float32", "bfloat16", 1)
     assert args["decode-nofinal-fp64-params"][9] == "float32" and args["decode-nofinal-fp64-params"][11] == "float32"
     assert args["bare-k64-fp16"][6:12] == (None, None, None, None, False, None)
     assert args["decode-bf16-gva2"] == MODEL
@@ -93,13 +97,25 @@ def test_decode_builds_are_the_launchers_table():
     varlen, with and without the initial state; none for head dims the kernel lacks."""
     todo = precompile.variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, decode=True)
     dec = [(label, b, a) for label, b, a in todo if b is decode.build]
-    assert len(dec) == 4 and {a[14] for _, _, a in dec} == {False, True}                  # varlen off / on
+    assert len(dec) == 8 and {a[14] for _, _, a in dec} == {False, True}                  # varlen off / on
+    assert {a[-1] for _, _, a in dec} == set(decode.LANES)                                 # lanes per column
     assert MODEL in [a for _, _, a in dec]
     assert sm90.decode_builds([(2, 4)], head_dim=(128, 256), dtype=torch.bfloat16, beta_dtype=torch.float32,
                               h0_dtype=torch.float32, scale=1.0)
     assert sm90.decode_builds([(2, 4)], head_dim=(256, 256), dtype=torch.bfloat16, beta_dtype=torch.float32,
                               h0_dtype=torch.float32, scale=1.0) == []
     assert not [b for _, b, _ in precompile.variants([(2, 4)]) if b is decode.build]
+
+
+def test_lanes_per_column_pick():
+    """Four lanes per value column where one lane per column gives at most one warp per SM, else one; the launcher
+    passes its pick to the build (a decode step of one sequence at 2/8 heads: 32 warps; of 64: 2,048)."""
+    assert decode.lanes_for(1, 8, 128, 132) == 4 and decode.lanes_for(1, 32, 128, 132) == 4
+    assert decode.lanes_for(2, 32, 128, 132) == 1 and decode.lanes_for(16, 8, 128, 132) == 1
+    assert decode.lanes_for(4, 8, 128, 132) == 4 and decode.lanes_for(5, 8, 128, 132) == 1
+    one, many = GPU.DecodeCase("one", B=1, H=2, HV=8), GPU.DecodeCase("many", B=64, H=2, HV=8)
+    picked = dict(GPU.recorded_builds([one, many], lanes=(None,)))
+    assert picked["one"][-1] == 4 and picked["many"][-1] == 1
 
 
 def test_unsupported():

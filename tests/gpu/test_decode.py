@@ -59,6 +59,7 @@ class DecodeCase:
         return self.name
 
 
+LANES = (1, 4)      # lanes per value column of the builds every case runs (kernels/decode.py `LANES`)
 CASES = [
     DecodeCase("decode-bf16-gva2", B=4),
     DecodeCase("mtp-T4-gva4", B=3, T=4, H=1, HV=4),
@@ -160,8 +161,18 @@ def _portable(monkeypatch, x):
     return out
 
 
+@pytest.fixture(params=LANES, ids=lambda n: f"lanes{n}")
+def lanes(request, monkeypatch):
+    """The kernel's lanes per value column, forced (the launcher's own pick, `decode.lanes_for`, depends on the grid:
+    these cases are small enough that it would take the K split for nearly all of them)."""
+    from flashdelta.kernels import decode
+
+    monkeypatch.setattr(decode, "lanes_for", lambda *args: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_decode_matches_reference(case, spy, monkeypatch):
+def test_decode_matches_reference(case, lanes, spy, monkeypatch):
     monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
     x = make(case, "cuda")
     o, ht = flashdelta.fused_recurrent_gated_delta_rule(**x)
@@ -278,9 +289,10 @@ def test_no_tokens():
 
 
 @pytest.mark.bigmem
-def test_state_past_2_31_elements():
+def test_state_past_2_31_elements(lanes):
     """131,073 sequences x 1 head x 128 x 128: the state tensors hold more than 2^31 elements (8 GiB each). The last
-    sequences (offsets past 2^31) must match, bit for bit, the kernel run on them alone, and that run the reference."""
+    sequences (offsets past 2^31) must match, bit for bit, the kernel run on them alone (the same build), and that
+    run the reference."""
     B = (1 << 31) // (128 * 128) + 1
     case = DecodeCase("big", B=B, H=1, HV=1)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -303,14 +315,14 @@ def test_state_past_2_31_elements():
     assert math.isfinite(float(ht[0].abs().max()))
 
 
-def recorded_builds(cases=CASES) -> list:
-    """(case name, `decode.build` arguments) of every launch the cases make, found without a GPU: each case's call
-    runs on the CPU with the kernel path forced on and the builder replaced by a recorder (which returns a kernel
-    that writes nothing)."""
+def recorded_builds(cases=CASES, lanes=LANES) -> list:
+    """(case name, `decode.build` arguments) of every launch the cases make with each of `lanes` forced (as the
+    `lanes` fixture does; None: the launcher's own pick), found without a GPU: each case's call runs on the CPU with
+    the kernel path forced on and the builder replaced by a recorder (which returns a kernel that writes nothing)."""
     from flashdelta.kernels import decode
 
     out = []
-    real_build, real_path = decode.build, recurrent._kernel_path
+    real_build, real_path, real_lanes = decode.build, recurrent._kernel_path, decode.lanes_for
 
     def record(*args):
         out.append((name, args))
@@ -319,9 +331,11 @@ def recorded_builds(cases=CASES) -> list:
     try:
         decode.build = record
         recurrent._kernel_path = lambda *a, **k: True
-        for case in cases:
-            name = case.name
-            flashdelta.fused_recurrent_gated_delta_rule(**make(case, "cpu"))
+        for n in lanes:
+            decode.lanes_for = real_lanes if n is None else (lambda *args, n=n: n)
+            for case in cases:
+                name = case.name
+                flashdelta.fused_recurrent_gated_delta_rule(**make(case, "cpu"))
     finally:
-        decode.build, recurrent._kernel_path = real_build, real_path
+        decode.build, recurrent._kernel_path, decode.lanes_for = real_build, real_path, real_lanes
     return out

@@ -5,9 +5,11 @@ Decode is memory-bound: each call reads the fp32 state once and writes it once, 
 gates of one token) is a few hundred bytes per head. The kernel therefore keeps the state in registers for the whole
 call and does nothing that costs bandwidth besides those two passes.
 
-One CTA per (sequence, value head, V slice of `BV` = 32 columns), one warp: thread j owns state column
-``S[:, v0 + j]`` (all K rows, K fp32 registers) and loops over the sequence's tokens. Per token (fp32; q, k, v, the
-gates and beta converted on load)::
+One CTA per (sequence, value head, V slice), one warp. With one lane per value column (the default) the slice is
+`BV` = 32 columns and thread j owns state column ``S[:, v0 + j]`` (all K rows, K fp32 registers); with four
+(`lanes_for`: grids of at most one warp per SM, where each warp's serial chain is the step's time) the slice is
+8 columns, each lane holds K / 4 rows of its column, and two shuffles add the column's partial dot products. The
+warp loops over the sequence's tokens. Per token (fp32; q, k, v, the gates and beta converted on load)::
 
     d    = exp(g + gk[k] + gv[v])                     (each term optional; d = 1 without any)
     k^, q^ = rk k, rq q,  rk = rsqrt(|k|^2 + 1e-6)    (use_qk_l2norm_in_kernel; else rk = rq = 1)
@@ -18,8 +20,9 @@ gates and beta converted on load)::
 
 The warp loads the token's q and k once (K / 32 elements per lane), reduces ``|k|^2``, ``|q|^2`` and ``k . q`` by
 shuffles, and stores k^, scale q^ (and ``exp(gk)``) to shared memory, which every thread then reads as broadcasts.
-Each thread makes two passes over its K registers: ``Sd`` with ``Sd^T k^`` and ``Sd^T q^``, then the rank-1 update.
-A CTA barrier (one warp: cheap) sits before each shared-memory write and read phase, and one before the second pass,
+Each thread makes two passes over its state registers: ``Sd`` with ``Sd^T k^`` and ``Sd^T q^``, then the rank-1
+update (with the K split the shared vectors hold the four K parts 4 floats apart, so that the parts' broadcasts
+fall in different banks). A CTA barrier (one warp: cheap) sits before each shared-memory write and read phase, and one before the second pass,
 so that ptxas reads k^ from shared memory again instead of keeping K more registers live from the first pass (that
 spilled). With ``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x)
 = x above 20, as torch and `flashdelta.gates.gdn_gate`); with a beta activation, beta is ``sigmoid`` or ``2 sigmoid``
@@ -44,9 +47,11 @@ import torch
 from . import _tl
 
 F32 = "float32"
-BV = 32                 # value columns per CTA: one warp, one column per thread
+THREADS = 32            # one warp per CTA
+BV = THREADS            # value columns per CTA with one lane per column (V is split into V / BV CTAs)
+LANES = (1, 4)          # lanes per value column (the K split): 4 where the grid is short of warps (`lanes_for`)
 ILP = 4                 # partial sums of each pass-1 dot product (dependency chains of K / ILP FMAs, not K)
-THREADS = BV
+KPAD = 4                # fp32 padding between the K parts of the shared k^/q^ vectors (no bank conflicts)
 # Key dims the kernel supports: the state column is K fp32 registers per thread (128 at K = 128, no spills).
 SUPPORTED_K = (64, 128)
 MAX_V = 1024            # V is split into V / BV CTAs: any multiple of BV up to this
@@ -64,15 +69,20 @@ def _bytes(dtype: str) -> int:
 def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Optional[str],
           gk_dtype: Optional[str], gv_dtype: Optional[str], beta_dtype: Optional[str], beta_per_v: bool,
           h0_dtype: Optional[str], store_state: bool, state_v_first: bool, varlen: bool, scale: float,
-          qk_l2norm: bool, a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int):
+          qk_l2norm: bool, a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int,
+          lanes: int = 1):
     """The kernel for one compile-time configuration; B, T (tokens) and N (sequences, varlen) are dynamic. A dtype of
-    None drops that input (no g, gk, gv, beta, initial state, in-kernel gate, dt_bias); store_state: write ht."""
+    None drops that input (no g, gk, gv, beta, initial state, in-kernel gate, dt_bias); store_state: write ht.
+    lanes: lanes per value column (`LANES`): each of a column's lanes holds K / lanes of its rows, the warp covers
+    32 / lanes columns, and shuffles add the column's partial dot products."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K and V % BV == 0 and V <= MAX_V and beta_act in BETA_ACTS
     assert a_log_dtype is None or g_dtype is not None, "the in-kernel gate transforms g"
     assert dt_bias_dtype is None or a_log_dtype is not None
+    assert lanes in LANES
     G = HV // H
-    NV = V // BV
+    CW = THREADS // lanes                                     # value columns per CTA
+    NV = V // CW
     B_ = T.dynamic("B")
     T_ = T.dynamic("T")
     N_ = T.dynamic("N")
@@ -82,32 +92,37 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
     beta_shape = (B_, T_, HV, V) if beta_per_v else (B_, T_, HV)
     # tiling config
     KL = K // THREADS                                         # q/k elements per lane
+    KP = K // lanes                                           # state rows per lane: rows [kp KP, (kp + 1) KP)
+    KSTR = KP + (KPAD if lanes > 1 else 0)                    # shared vectors: part kp at [kp KSTR, kp KSTR + KP)
+    SHUFFLES = [CW << i for i in range(lanes.bit_length() - 1)]   # lane distances of the column's butterfly
     VH = 16 // _bytes(h0_dtype) if h0_dtype is not None else 4
-    VH = min(VH, K)
+    VH = min(VH, KP)
 
     def opt(shape, dt):
         return T.Tensor(shape, dt) if dt is not None else None
 
     @T.macro
-    def load_state(n64, i_hv, col, h0, s, hc):
-        # ---- state column in: S[:, col] (fp32) ----
+    def load_state(n64, i_hv, col, r0, h0, s, hc):
+        # ---- state rows in: S[r0 : r0 + KP, col] (fp32) ----
         if h0_dtype is not None:
             if state_v_first:
-                for c in T.unroll(K // VH):
+                for c in T.unroll(KP // VH):
                     for j in T.vectorized(VH):
-                        hc[j] = h0[n64, i_hv, col, c * VH + j]
+                        hc[j] = h0[n64, i_hv, col, r0 + c * VH + j]
                     for j in T.unroll(VH):
                         s[c * VH + j] = T.cast(hc[j], F32)
             else:
-                for kk in T.unroll(K):
-                    s[kk] = T.cast(h0[n64, i_hv, kk, col], F32)
+                for kk in T.unroll(KP):
+                    s[kk] = T.cast(h0[n64, i_hv, r0 + kk, col], F32)
         else:
-            for kk in T.unroll(K):
+            for kk in T.unroll(KP):
                 s[kk] = 0.0
 
     @T.macro
-    def sequence(b64, n64, bos, ln, i_hv, i_h, col, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
+    def sequence(b64, n64, bos, ln, i_hv, i_h, col, r0, kp, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
                  tx, s, kc, qc, k_s, q_s, e_s, acc, sc):
+        # lane tx's q/k elements [tx KL, (tx + 1) KL) lie in one K part; their place in the shared vectors
+        ws = tx * KL if lanes == 1 else (tx * KL) // KP * KSTR + (tx * KL) % KP
         for i in T.serial(ln):
             t64 = T.cast(bos + i, "int64")
             # ---- per-token scalars: the log decay of this column, beta, v ----
@@ -155,39 +170,47 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
             acc[0] = T.warp_reduce_sum(acc[0]) * acc[1] * acc[2]              # k . q, normalised
             T.sync_threads()                          # the previous token's reads of k_s, q_s, e_s are done
             for j in T.unroll(KL):
-                k_s[tx * KL + j] = T.cast(kc[j], F32) * acc[1]
-                q_s[tx * KL + j] = T.cast(qc[j], F32) * (acc[2] * scale)
+                k_s[ws + j] = T.cast(kc[j], F32) * acc[1]
+                q_s[ws + j] = T.cast(qc[j], F32) * (acc[2] * scale)
                 if gk_dtype is not None:
-                    e_s[tx * KL + j] = T.exp(T.cast(gk[b64, t64, i_hv, tx * KL + j], F32))
+                    e_s[ws + j] = T.exp(T.cast(gk[b64, t64, i_hv, tx * KL + j], F32))
             T.sync_threads()
             # ---- pass 1: Sd = d S; Sd^T k, Sd^T q (in ILP partial sums: short dependency chains) ----
             for j in T.unroll(2 * ILP):
                 acc[5 + j] = 0.0                                                # Sd^T k parts, then Sd^T q parts
-            for kk in T.unroll(K):
+            for kk in T.unroll(KP):
                 if gk_dtype is not None:
-                    s[kk] = s[kk] * (sc[0] * e_s[kk])
+                    s[kk] = s[kk] * (sc[0] * e_s[kp * KSTR + kk])
                 else:
                     s[kk] = s[kk] * sc[0]
-                acc[5 + kk % ILP] = acc[5 + kk % ILP] + s[kk] * k_s[kk]
-                acc[5 + ILP + kk % ILP] = acc[5 + ILP + kk % ILP] + s[kk] * q_s[kk]
+                acc[5 + kk % ILP] = acc[5 + kk % ILP] + s[kk] * k_s[kp * KSTR + kk]
+                acc[5 + ILP + kk % ILP] = acc[5 + ILP + kk % ILP] + s[kk] * q_s[kp * KSTR + kk]
             acc[3] = (acc[5] + acc[6]) + (acc[7] + acc[8])
             acc[4] = (acc[9] + acc[10]) + (acc[11] + acc[12])
+            # the column's K parts: a butterfly over the lanes CW, 2 CW, .. apart (every lane of the column gets the
+            # same sums, bit for bit: each step adds the same two values in either order)
+            for off in SHUFFLES:
+                acc[3] = acc[3] + T.shfl_xor(acc[3], off)
+                acc[4] = acc[4] + T.shfl_xor(acc[4], off)
             sc[3] = sc[1] * (sc[2] - acc[3])                                  # u
-            o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
+            if lanes == 1:
+                o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
+            elif kp == 0:
+                o[b64, t64, i_hv, col] = T.cast(acc[4] + scale * acc[0] * sc[3], v_dtype)
             # ---- pass 2: S = Sd + k u^T ----
             # (the barrier makes ptxas read k_s again rather than keep K more registers live from pass 1: spills)
             T.sync_threads()
-            for kk in T.unroll(K):
-                s[kk] = s[kk] + k_s[kk] * sc[3]
-        # ---- state column out ----
+            for kk in T.unroll(KP):
+                s[kk] = s[kk] + k_s[kp * KSTR + kk] * sc[3]
+        # ---- state rows out ----
         if store_state:
             if state_v_first:
-                for c in T.unroll(K // 4):
+                for c in T.unroll(KP // 4):
                     for j in T.vectorized(4):
-                        ht[n64, i_hv, col, c * 4 + j] = s[c * 4 + j]
+                        ht[n64, i_hv, col, r0 + c * 4 + j] = s[c * 4 + j]
             else:
-                for kk in T.unroll(K):
-                    ht[n64, i_hv, kk, col] = s[kk]
+                for kk in T.unroll(KP):
+                    ht[n64, i_hv, r0 + kk, col] = s[kk]
 
     @T.prim_func
     def decode_kernel(
@@ -210,13 +233,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
             i_hv = (bx // NV) % HV
             i_h = i_hv // G
             tx = T.get_thread_binding()
-            col = (bx % NV) * BV + tx
-            s = T.alloc_local((K,), F32)          # the state column S[:, col]
+            kp = tx // CW if lanes > 1 else 0     # the lane's K part
+            col = (bx % NV) * CW + (tx % CW if lanes > 1 else tx)
+            r0 = kp * KP
+            s = T.alloc_local((KP,), F32)         # the state rows S[r0 : r0 + KP, col]
             kc = T.alloc_local((KL,), dtype)
             qc = T.alloc_local((KL,), dtype)
-            k_s = T.alloc_shared((K,), F32)       # the token's k (normalised), q (normalised, scaled), exp(gk)
-            q_s = T.alloc_shared((K,), F32)
-            e_s = T.alloc_shared((K,), F32) if gk_dtype is not None else None
+            k_s = T.alloc_shared((lanes * KSTR,), F32)   # the token's k (normalised), q (normalised, scaled), exp(gk)
+            q_s = T.alloc_shared((lanes * KSTR,), F32)
+            e_s = T.alloc_shared((lanes * KSTR,), F32) if gk_dtype is not None else None
             hc = T.alloc_local((VH,), h0_dtype if h0_dtype is not None else F32)
             acc = T.alloc_local((5 + 2 * ILP,), F32)
             sc = T.alloc_local((4,), F32)
@@ -225,19 +250,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, v_dtype: str, g_dtype: Op
                 if i_n == N_:
                     # padding tail [cu_seqlens[N], T): o = 0 for this (head, V slice)
                     tb = T.min(T.max(cu_seqlens[N_], 0), T_)
-                    for i in T.serial(T_ - tb):
+                    for i in T.serial(T.if_then_else(kp == 0, T_ - tb, 0)):    # one lane per column writes
                         o[0, T.cast(tb + i, "int64"), i_hv, col] = T.cast(0, v_dtype)
                 else:
                     # the state's loads go out before cu_seqlens is read: they do not depend on it, and issued
                     # after it they would wait for its round trip (in-order issue stalls at bos's first use)
-                    load_state(n64, i_hv, col, h0, s, hc)
+                    load_state(n64, i_hv, col, r0, h0, s, hc)
                     bos = T.min(T.max(cu_seqlens[i_n], 0), T_)
                     eos = T.min(T.max(cu_seqlens[i_n + 1], bos), T_)
-                    sequence(T.cast(0, "int64"), n64, bos, eos - bos, i_hv, i_h, col, q, k, v, g, gk, gv, beta,
-                             A_log, dt_bias, o, ht, tx, s, kc, qc, k_s, q_s, e_s, acc, sc)
+                    sequence(T.cast(0, "int64"), n64, bos, eos - bos, i_hv, i_h, col, r0, kp, q, k, v, g, gk, gv,
+                             beta, A_log, dt_bias, o, ht, tx, s, kc, qc, k_s, q_s, e_s, acc, sc)
             else:
-                load_state(n64, i_hv, col, h0, s, hc)
-                sequence(n64, n64, 0, T_, i_hv, i_h, col, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
+                load_state(n64, i_hv, col, r0, h0, s, hc)
+                sequence(n64, n64, 0, T_, i_hv, i_h, col, r0, kp, q, k, v, g, gk, gv, beta, A_log, dt_bias, o, ht,
                          tx, s, kc, qc, k_s, q_s, e_s, acc, sc)
 
     return decode_kernel
@@ -268,24 +293,33 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, v_dtype: t
                  beta_per_v: bool = False, h0_dtype: Optional[torch.dtype], output_final_state: bool = True,
                  state_v_first: bool = False, varlen: bool, scale: float, qk_l2norm: bool,
                  a_log_dtype: Optional[torch.dtype] = None, dt_bias_dtype: Optional[torch.dtype] = None,
-                 beta_act: int = 0) -> tuple:
+                 beta_act: int = 0, lanes: int = 1) -> tuple:
     """The `build` arguments (its compile-cache key) for one call: dtypes of the inputs it gets (None: absent; the
     launcher's float64 ones go in as fp32), beta per value channel or not, the final state written or not, the state
-    layout, varlen or dense, the output scale, the q/k normalisation, the in-kernel gate (A_log's and dt_bias' dtypes)
-    and the beta activation (`BETA_ACTS`)."""
+    layout, varlen or dense, the output scale, the q/k normalisation, the in-kernel gate (A_log's and dt_bias' dtypes),
+    the beta activation (`BETA_ACTS`) and the lanes per value column (`lanes_for`)."""
     return (H, HV, K, V, _tl_dtype(dtype), _tl_dtype(v_dtype), _tl_dtype(g_dtype), _tl_dtype(gk_dtype),
             _tl_dtype(gv_dtype), _tl_dtype(beta_dtype), bool(beta_per_v), _tl_dtype(h0_dtype),
             bool(output_final_state), bool(state_v_first), bool(varlen), float(scale), bool(qk_l2norm),
-            _tl_dtype(a_log_dtype), _tl_dtype(dt_bias_dtype), int(beta_act))
+            _tl_dtype(a_log_dtype), _tl_dtype(dt_bias_dtype), int(beta_act), int(lanes))
+
+
+def lanes_for(N: int, HV: int, V: int, num_sms: int) -> int:
+    """Lanes per value column for N sequences: 4 where one lane per column gives at most one warp per SM (a short
+    grid: each warp's serial chain of K-row loads and FMAs is the step's time, and four lanes split it), else 1 (a
+    full grid is bound by DRAM, where more, narrower warps cost more than they win). docs/dev/decode.md has the
+    measurements."""
+    return LANES[-1] if N * HV * (V // BV) <= num_sms else 1
 
 
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, *, beta_dtype: torch.dtype,
                     scale: float, g_dtype: Optional[torch.dtype] = torch.float32,
                     h0_dtype: torch.dtype = torch.float32, qk_l2norm: bool = True, gate: Optional[tuple] = None,
                     beta_act: int = 0, initial_state=(True,), state_v_first=(False,), varlen=(False, True),
-                    output_final_state=(True,)) -> list:
+                    output_final_state=(True,), lanes=LANES) -> list:
     """(label, builder, args) of the decode kernel for one head config (q, k, v in `dtype`), per combination of the
-    option tuples: the builds a model's decode steps launch, for `flashdelta.warmup`. gate: ``(A_log dtype, dt_bias
+    option tuples (lanes: per value column, both by default since the launcher picks by batch size): the builds a
+    model's decode steps launch, for `flashdelta.warmup`. gate: ``(A_log dtype, dt_bias
     dtype or None)`` for ``use_gate_in_kernel`` (g is then the raw gate in g_dtype), None without it."""
     a_log_dtype, dt_bias_dtype = gate if gate is not None else (None, None)
     out = []
@@ -293,13 +327,15 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, *, beta
         for vfirst in state_v_first:
             for vl in varlen:
                 for store in output_final_state:
-                    label = (f"decode H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst} varlen={vl} "
-                             f"final={store}")
-                    args = builder_args(H, HV, K, V, dtype, dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
-                                        h0_dtype=h0_dtype if has_h0 else None, output_final_state=store,
-                                        state_v_first=vfirst, varlen=vl, scale=scale, qk_l2norm=qk_l2norm,
-                                        a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype, beta_act=beta_act)
-                    out.append((label, build, args))
+                    for ln in lanes:
+                        label = (f"decode H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst} varlen={vl} "
+                                 f"final={store} lanes={ln}")
+                        args = builder_args(H, HV, K, V, dtype, dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
+                                            h0_dtype=h0_dtype if has_h0 else None, output_final_state=store,
+                                            state_v_first=vfirst, varlen=vl, scale=scale, qk_l2norm=qk_l2norm,
+                                            a_log_dtype=a_log_dtype, dt_bias_dtype=dt_bias_dtype,
+                                            beta_act=beta_act, lanes=ln)
+                        out.append((label, build, args))
     return out
 
 
@@ -356,7 +392,8 @@ def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Op
                         beta_per_v=beta is not None and beta.dim() == 4, h0_dtype=_opt_dtype(h0),
                         output_final_state=output_final_state, state_v_first=state_v_first, varlen=varlen,
                         scale=scale, qk_l2norm=use_qk_l2norm, a_log_dtype=_opt_dtype(A_log),
-                        dt_bias_dtype=_opt_dtype(dt_bias), beta_act=beta_act)
+                        dt_bias_dtype=_opt_dtype(dt_bias), beta_act=beta_act,
+                        lanes=lanes_for(N, HV, V, _tl.num_sms(dev if dev.type == "cuda" else None)))
     cu = _tl.cu_seqlens_int32(cu_seqlens) if varlen else None
     tensors = [q.contiguous(), k.contiguous(), v.contiguous(), g, gk, gv, beta, h0, A_log, dt_bias, cu, o, ht]
     build(*args)(*[x for x in tensors if x is not None])

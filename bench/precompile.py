@@ -6,6 +6,7 @@ loads kernels instead of compiling them (~3-8 s of device time each):
 
 --tests: every kernel build the GPU tier launches (tests/_builds.py `gpu_tier`, from the case tables in
 tests/cases.py: the stage tests, with the builds they ask for through launcher arguments, and the public-API tests),
+each checked as the CPU compile tier checks its subset (`hang_checks`; a failing build fails the script),
 and `flashdelta check`'s (its defaults: heads 4/8, bf16, the backward; bench/dev/gpu_session.sh runs it);
 --grid: `flashdelta warmup` of the benchmark grid's eight head configs (fp32 beta, with and without h0), with context
 parallelism's builds for the heads whose rows its cost model may split (`--context-parallel auto`: 2/8, 4/16, 16/16);
@@ -30,12 +31,17 @@ BWD_HEADS = ("16/32", "8/16", "4/8", "2/4", "16/64", "16/16")
 
 def tests():
     sys.path.insert(0, os.path.join(ROOT, "tests"))     # the case tables and their builds
-    from _builds import gpu_tier
+    from _builds import gpu_tier, hang_checks
 
+    failed = []
     for label, builder, args in gpu_tier():
         t0 = time.time()
-        builder(*args)
-        print(f"{label}: {time.time() - t0:.1f} s", flush=True)
+        kernel = builder(*args)
+        findings = hang_checks(kernel.get_kernel_source(), kernel.get_host_source())
+        print(f"{label}: {time.time() - t0:.1f} s{''.join(f'; HANG CHECK: {f}' for f in findings)}", flush=True)
+        failed += [label] if findings else []
+    if failed:
+        sys.exit(f"{len(failed)} builds fail the hang checks: {failed}")
 
 
 def main():

@@ -162,6 +162,37 @@ def shipped() -> list:
     return list(out.values())
 
 
+def compile_choices(builder, args: tuple) -> set:
+    """The compile-time choices a build makes: its builder, every argument's value except the head counts (H and HV
+    set the grid and the strides, not the code), the GVA group size HV / H and the pair of head dims."""
+    import inspect
+
+    names = list(inspect.signature(builder.impl.func.orig_func).parameters)
+    named = dict(zip(names, args))
+    out = {(builder.__name__,)}
+    if "H" in named and "HV" in named:
+        out.add((builder.__name__, "G", named["HV"] // named["H"]))
+    if "K" in named and "V" in named:
+        out.add((builder.__name__, "K, V", named["K"], named["V"]))
+    out.update((builder.__name__, name, repr(value)) for name, value in named.items() if name not in ("H", "HV"))
+    return out
+
+
+def covering(builds: list) -> list:
+    """A subset of `builds` ((label, builder, args) rows) that makes every compile-time choice (`compile_choices`) the
+    whole list makes: greedily the build with the most choices not yet made, the first such in list order. The CPU
+    tier compiles it by default (each code path of every builder at least once: a few minutes on two cores instead of
+    the whole list's ~15); `pytest --all-builds` and bench/precompile.py --tests compile and check every build."""
+    choices = [compile_choices(builder, args) for _, builder, args in builds]
+    todo = set().union(*choices)
+    picked = []
+    while todo:
+        best = max(range(len(builds)), key=lambda i: (len(choices[i] & todo), -i))
+        picked.append(best)
+        todo -= choices[best]
+    return [builds[i] for i in sorted(picked)]
+
+
 def _cp_builds() -> dict:
     """The builds of the GPU test files that list their own (their `builds`): the context-parallel tests
     (tests/gpu/test_cp_gpu.py, test_cp_scan.py) and the in-kernel gate's (test_prepare.py, test_e2e_gpu.py)."""

@@ -47,6 +47,12 @@ def _has_hopper() -> bool:
 COMPILE_FILES = "test_compile_*.py"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-builds", action="store_true",
+                     help="the compile tier compiles every kernel build of the GPU tier's cases, not only a subset "
+                          "that makes every compile-time choice once (tests/_builds.py `covering`)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "compile: compiles Hopper kernels (needs the CUDA toolkit's nvcc, no GPU)")
 

@@ -111,7 +111,17 @@ def gate_results(request):
         return {label: f.exception() or f.result() for label, f in futures.items()}
 
 
-@pytest.mark.parametrize("label", list(GATE_BUILDS))
+def pytest_generate_tests(metafunc):
+    """The gate builds compiled: every one with --all-builds, else those that make each compile-time choice once
+    (tests/_builds.py `covering`)."""
+    if metafunc.function.__name__ == "test_in_kernel_gate_build_compiles_sm90":
+        from _builds import covering
+
+        rows = [(label, b, a) for label, (b, a) in GATE_BUILDS.items()]
+        rows = rows if metafunc.config.getoption("--all-builds") else covering(rows)
+        metafunc.parametrize("label", [label for label, _, _ in rows])
+
+
 def test_in_kernel_gate_build_compiles_sm90(label, gate_results):
     """Every prepare build with the in-kernel options compiles for sm_90a, passes the hang checks, and calls the
     activations it was built for (the gate's in the cumsum's load, beta's on load)."""

@@ -7,7 +7,8 @@
 #       (another suite, chosen head configs, and rows whose seqlens match the regex ROWS)
 #   ... PROVIDERS=flashdelta,fla,flashqla,flashinfer MAX_S=570 bash bench/dev/grid.sh all
 #       (the providers, run.py's --providers; default flashdelta,fla,flashqla)
-#   ... PACK_NEW=1 ... bash bench/dev/grid.sh ...   (also return the kernels compiled here: bench/dev/tlcache.sh)
+#   ... PACK_NEW=1 ... bash bench/dev/grid.sh ...   (also return the kernels compiled here: bench/dev/tlcache.sh,
+#       and FLA's Triton cache: carry it as .cache/triton-<card>.tar.xz)
 # (The device copy has no .git: expand FLASHDELTA_COMMIT=$(git rev-parse --short HEAD) on this side.)
 # Phase 1 compiles every provider's kernels for this half's head configs in parallel processes (one per head
 # config, timings discarded: one rep, no gate), so the JIT work (FlashQLA's TileLang kernels take ~80 s per head
@@ -27,6 +28,15 @@ PROVIDERS=${PROVIDERS:-flashdelta,fla,flashqla}
 # $OUT/tl-new-$HALF.tar.xz, for .cache/tl-peers.tar.xz (bench/dev/tlcache.sh)
 PACK_NEW=${PACK_NEW:-0}
 touch /tmp/grid_marker
+# FLA's Triton kernels: FLA autotunes with cache_results, so each kernel's winning config lands in TRITON_CACHE_DIR
+# (<hash>/<kernel>.autotune.json); carried from an earlier call on the same card (.cache/triton-<card>.tar.xz, returned
+# by PACK_NEW=1 as $OUT/triton-<card>.tar.xz), FLA compiles only the winners instead of every config it tunes.
+# Keyed by the card: a winner tuned on an H100 is not FLA's pick on an H200.
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -cs 'A-Za-z0-9' '-' | sed 's/-$//')
+export TRITON_CACHE_DIR=/tmp/triton
+if [ -f ".cache/triton-$CARD.tar.xz" ]; then
+  tar -C /tmp -xJf ".cache/triton-$CARD.tar.xz" && echo "Triton cache ($CARD): $(find /tmp/triton -name '*.json' | wc -l) files"
+fi
 # phase 1's limit per head config: FlashQLA's backward kernels compile past the forward's 240 s (a backward case whose
 # warm-up is cut compiles inside the timed phase instead), so the backward suites get 400 s and fewer HEADS per call
 WARM_S=${WARM_S:-$([ "$SUITE" = fwd ] && echo 240 || echo 400)}
@@ -52,4 +62,8 @@ if [ "$PACK_NEW" = 1 ] && [ -n "${TILELANG_CACHE_DIR:-}" ]; then
   (cd "$base" && find "$name" -mindepth 4 -maxdepth 4 -type d -newer /tmp/grid_marker) > /tmp/grid_new.txt
   XZ_OPT="-9 -T0" tar -C "$base" -cJf "$OUT/tl-new-$HALF.tar.xz" -T /tmp/grid_new.txt
   echo "packed $(wc -l < /tmp/grid_new.txt) kernels compiled in this call: $(du -h "$OUT/tl-new-$HALF.tar.xz" | cut -f1)"
+  # only the autotuning results (~40 small files; the compiled configs are ~220 MB and take minutes to pack)
+  (cd /tmp && find triton -name '*.autotune.json') > /tmp/grid_tune.txt
+  [ -s /tmp/grid_tune.txt ] && tar -C /tmp -cJf "$OUT/triton-$CARD.tar.xz" -T /tmp/grid_tune.txt &&
+    echo "packed FLA's autotuning results ($(wc -l < /tmp/grid_tune.txt) kernels): $(du -h "$OUT/triton-$CARD.tar.xz" | cut -f1)"
 fi

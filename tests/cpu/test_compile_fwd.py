@@ -218,6 +218,8 @@ def test_partition_starts_builds_compile(tmp_path):
     ((1, 65, 700, 1500, 3000), 32, [4, 3, 2, 1, 0, 5]),      # longest first, the padding tail's item last
     ((10, 10, 0, 30), 100, [3, 0, 1, 2, 4]),                 # ties by index, the empty sequence before the tail
     ((1, 65, 700, 1500, 3000), 2, [0, 1, 2, 3, 4, 5]),       # one wave: the identity
+    ((1, 65, 700, 1500), 33, [0, 1, 2, 3, 4]),               # the sequences fill the 132 SMs, the tail follows
+    ((1, 65, 700, 1500), 34, [3, 2, 1, 0, 4]),               # one CTA past a wave: longest first
     ((5000,), 64, [0, 1]),
 ])
 def test_seq_order(lengths, ctas, want):

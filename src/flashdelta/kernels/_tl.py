@@ -111,11 +111,14 @@ def seq_order(cu_seqlens: torch.Tensor, ctas_per_seq: int) -> torch.Tensor:
 
     The GPU starts CTAs in index order as SMs free up, so longest first is LPT list scheduling: at heads 16/32 with
     eight sequences of 499 to 9873 tokens the longest sequence's 32 CTAs start in the first wave instead of the second
-    (`chunk_bwd`'s makespan 214 -> 157 chunk periods: docs/dev/chunk_bwd.md, "Longest sequence first"). Where every CTA fits in
-    one wave (or N <= 1) the order is the identity. Computed on the device, no host synchronisation."""
+    (`chunk_bwd`'s makespan 214 -> 157 chunk periods: docs/dev/chunk_bwd.md, "Longest sequence first"). Where every
+    sequence's CTAs fit in one wave (or N <= 1) the order is the identity: the sequences all start at once and the
+    padding tail's CTAs, last in either order, take the SMs that free first (context parallelism's plans, whose slot
+    count is a bound, land there: 2/4 heads at 1x8192 tokens in 32 partitions were 33 slots x 4 CTAs on 132 SMs, a
+    sort for nothing). Computed on the device, no host synchronisation."""
     N = cu_seqlens.shape[0] - 1
     dev = cu_seqlens.device
-    if N <= 1 or (N + 1) * ctas_per_seq <= num_sms(dev if dev.type == "cuda" else None):
+    if N <= 1 or N * ctas_per_seq <= num_sms(dev if dev.type == "cuda" else None):
         return torch.arange(N + 1, dtype=torch.int32, device=dev)
     keys = cu_seqlens.new_full((N + 1,), -1)          # the padding tail's item sorts last
     torch.sub(cu_seqlens[1:], cu_seqlens[:-1], out=keys[:N])

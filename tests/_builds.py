@@ -1,7 +1,8 @@
 """The kernel builds of the GPU tier, from its case tables (tests/cases.py), and the checks every build must pass.
 
 `shipped()`: every build the launchers pick for the GPU tier's cases (the stage tests' launcher calls and the public
-API's forward and backward): what the CPU tier compiles (tests/cpu/test_compile_tier.py). `gpu_tier()`: those, the
+API's forward and backward): what the CPU tier compiles (tests/cpu/test_compile_tier.py: by default its `covering`
+subset, each compile-time choice once; all with `pytest --all-builds`). `gpu_tier()`: those, the
 builds the GPU tests ask for through launcher arguments (prepare's persistent kernel and heads-per-CTA splits on
 every case), the decode kernel's (tests/gpu/test_decode.py) and those of the Hugging Face test's GPU run
 (tests/cpu/test_hf_qwen3_next.py through bench/dev/hf_gpu.sh), which bench/precompile.py --tests compiles into a

@@ -135,6 +135,16 @@ TRANSITIONS_BUILD = fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch
                                            False) + (False, False, False, True, False, True)
 
 
+def _build_and_report(row, tmp_path):
+    """A (label, builder, args) row's kernel and its ptxas report (`_builds.ptxas_report`), for a thread pool: the
+    builds and their reports run on all cores at once."""
+    from _builds import ptxas_report
+
+    label, builder, args = row
+    kernel = builder(*args)
+    return kernel, ptxas_report(kernel.get_kernel_source(), tmp_path, label.replace(" ", "_"))
+
+
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
     under their own cache keys (the default builds' arguments are unchanged), CP's M and E passes also with
@@ -144,7 +154,7 @@ def test_chunk_skip_builds_compile(tmp_path):
     keeps the default build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
-    from _builds import hang_checks, ptxas_report
+    from _builds import hang_checks
 
     lb = fused_fwd.launcher_builds(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
                                    initial_state=(True, False), chunk_skip=(False, True))
@@ -166,13 +176,12 @@ def test_chunk_skip_builds_compile(tmp_path):
         lb[::2][::-1], "the default list is the builds without the flag"
     todo = {**SKIP_BUILDS, "ME-noh0-states-transitions": TRANSITIONS_BUILD}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        kernels = dict(zip(todo, pool.map(lambda a: fused_fwd.build(*a), todo.values())))
-    for name, kernel in kernels.items():
+        kernels = dict(zip(todo, pool.map(lambda n: _build_and_report((n, fused_fwd.build, todo[n]), tmp_path), todo)))
+    for name, (kernel, report) in kernels.items():
         src = kernel.get_kernel_source()
         assert hang_checks(src, kernel.get_host_source()) == [], name
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert ("float* __restrict__ hm" in sig) == ("transitions" in name), name
-        report = ptxas_report(src, tmp_path, name)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
         if "skip" not in name:
             continue
@@ -191,7 +200,7 @@ def test_partition_starts_builds_compile(tmp_path):
     the default build's budget (no spills, no stack frame)."""
     import concurrent.futures
 
-    from _builds import hang_checks, ptxas_report
+    from _builds import hang_checks
 
     opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
                 scale=SCALE)
@@ -204,13 +213,12 @@ def test_partition_starts_builds_compile(tmp_path):
                                                                  num_sms=132)}
     assert all((b.__name__, a) in listed for _, b, a in sm90.starts_builds([(16, 32)], **opts))
     with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
-        kernels = list(pool.map(lambda x: x[1](*x[2]), lb))
-    for (label, _, _), kernel in zip(lb, kernels):
+        kernels = list(pool.map(lambda x: _build_and_report(x, tmp_path), lb))
+    for (label, _, _), (kernel, report) in zip(lb, kernels):
         src = kernel.get_kernel_source()
         assert hang_checks(src, kernel.get_host_source()) == [], label
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "float* __restrict__ starts" in sig and "const int* __restrict__ slot" in sig and "int every" in sig
-        report = ptxas_report(src, tmp_path, label.replace(" ", "_"))
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
@@ -238,7 +246,7 @@ def test_saved_states_builds_compile(tmp_path):
     instead of three make room for the state's staging tile) and keep the default build's budget."""
     import concurrent.futures
 
-    from _builds import dyn_smem_bytes, hang_checks, ptxas_report
+    from _builds import dyn_smem_bytes, hang_checks
 
     opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
                 scale=SCALE)
@@ -251,14 +259,13 @@ def test_saved_states_builds_compile(tmp_path):
     assert all((b.__name__, a) in listed for _, b, a in sm90.backward_builds([(16, 32)], **opts)
                if b is fused_fwd.build)
     with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
-        kernels = list(pool.map(lambda x: x[1](*x[2]), lb))
-    for (label, _, _), kernel in zip(lb, kernels):
+        kernels = list(pool.map(lambda x: _build_and_report(x, tmp_path), lb))
+    for (label, _, _), (kernel, report) in zip(lb, kernels):
         src, host = kernel.get_kernel_source(), kernel.get_host_source()
         assert hang_checks(src, host) == [], label
         sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
         assert "hs_desc" in sig and "q_desc" in sig and "bfloat16_t* __restrict__ o" in sig, label
         assert dyn_smem_bytes(host) <= 232448, (label, dyn_smem_bytes(host))
-        report = ptxas_report(src, tmp_path, label.replace(" ", "_"))
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 

@@ -22,9 +22,9 @@ The warp loads the token's q and k once (K / 32 elements per lane), reduces ``|k
 shuffles, and stores k^, scale q^ (and ``exp(gk)``) to shared memory, which every thread then reads as broadcasts.
 Each thread makes two passes over its state registers: ``Sd`` with ``Sd^T k^`` and ``Sd^T q^``, then the rank-1
 update (with the K split the shared vectors hold the four K parts 4 floats apart, so that the parts' broadcasts
-fall in different banks). A CTA barrier (one warp: cheap) sits before each shared-memory write and read phase, and one before the second pass,
-so that ptxas reads k^ from shared memory again instead of keeping K more registers live from the first pass (that
-spilled). With ``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x)
+fall in different banks). A CTA barrier (one warp: cheap) sits before each shared-memory write and read phase, and
+one before the second pass, so that ptxas reads k^ from shared memory again instead of keeping K more registers live
+from the first pass (that spilled). With ``use_gate_in_kernel`` g is the raw gate and ``g = -exp(A_log) softplus(g + dt_bias)`` (softplus(x)
 = x above 20, as torch and `flashdelta.gates.gdn_gate`); with a beta activation, beta is ``sigmoid`` or ``2 sigmoid``
 of the logits.
 

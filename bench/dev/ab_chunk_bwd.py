@@ -30,14 +30,18 @@ def load_variant(name, path):
     return mod
 
 
-def setup(doc: str, kernel: str, rows) -> tuple:
-    """(args, {name: module}) of an A/B script over copies of kernels/<kernel>.py: the shipped module first."""
+def setup(doc: str, kernel: str, rows, flags: dict | None = None) -> tuple:
+    """(args, {name: module}) of an A/B script over copies of kernels/<kernel>.py: the shipped module first.
+    `flags`: the script's own on/off options, {"--name": help}. --rows defaults to `rows` (None: no default; the
+    script picks by its flags)."""
     import importlib
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help=f"NAME=PATH of a {kernel}.py copy")
-    ap.add_argument("--rows", nargs="+", default=list(rows), help="H/HV:seqlens")
+    ap.add_argument("--rows", nargs="+", default=None if rows is None else list(rows), help="H/HV:seqlens")
     ap.add_argument("--precompile", action="store_true")
+    for flag, help_ in (flags or {}).items():
+        ap.add_argument(flag, action="store_true", help=help_)
     args = ap.parse_args()
     mods = {"shipped": importlib.import_module(f"flashdelta.kernels.{kernel}")}
     for spec in args.variant:

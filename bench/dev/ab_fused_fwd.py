@@ -9,8 +9,17 @@ flashdelta.kernels:
         [--rows 16/32:6413+6673+10954+8728] [--precompile]
 
 --precompile (CPU machine, TILELANG_CACHE_DIR set) compiles every variant's builds for the rows and exits. Each row
-also times the shipped module's `chunk_fwd(wide=True)` (the one-CTA-per-head build) against its default build,
-interleaved, with the outputs compared.
+also times the shipped module's `chunk_fwd(wide=True)` (the one-CTA-per-head build, kernels/fused_fwd_wide.py)
+against its default build, interleaved, with the outputs compared.
+
+--wide: only that comparison (no variants, no state_recompute), by default at the rows that decide the wide build
+(docs/dev/fused_fwd.md, "What to try next" item 0: 16/64 8192x4, 16/64 1024x8, 16/32 8192x4, 16/64 1x32768):
+
+    python3 bench/dev/ab_fused_fwd.py --wide --precompile        # CPU machine, TILELANG_CACHE_DIR set
+    source .device/bootstrap.sh; python3 bench/dev/ab_fused_fwd.py --wide
+
+Each line: CUDA-graph medians of the fused kernel alone (prepare_fwd's outputs are inputs), default and wide
+interleaved in one process, their ratio, and the wide build's o and final state against the default's.
 """
 import inspect
 import os
@@ -24,6 +33,7 @@ import torch  # noqa: E402
 from ab_chunk_bwd import outputs_and_times, precompile, row_inputs, setup  # noqa: E402
 
 ROWS = ("16/32:6413+6673+10954+8728", "16/32:1x8192", "16/64:8192x4", "2/4:1x8192", "16/32:512x16")
+WIDE_ROWS = ("16/64:8192x4", "16/64:1024x8", "16/32:8192x4", "16/64:1x32768")
 
 
 def _diff(x, y) -> str:
@@ -59,18 +69,50 @@ def _builds(m, h: int, hv: int) -> list:
                                           initial_state=(True,), **kw)])
 
 
-def main():
+def _wide_builds(m, h: int, hv: int) -> list:
+    """The default and wide forward builds of one row's heads (what --wide launches)."""
+    return [b for kw in ({}, dict(wide=True))
+            for b in m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                       initial_state=(True,), **kw)]
+
+
+def wide_vs_default(m, hh: str, sl: str, inp, scale, g_cumsum, A, stream) -> None:
+    """One row: module m's default and wide `chunk_fwd`, interleaved CUDA-graph medians and their outputs compared."""
     import timing
 
-    args, mods = setup(__doc__, "fused_fwd", ROWS)
+    q, k, v, beta, h0, cu = inp.q, inp.k, inp.v, inp.beta, inp.h0, inp.cu
+    fwd = {"default": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
+           "wide": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, wide=True)}
+    outs = {n: f() for n, f in fwd.items()}
+    torch.cuda.synchronize()
+    t = timing.time_runners({n: timing.make_runner(f, stream=stream) for n, f in fwd.items()}, stream=stream,
+                            flush=None)
+    print(f"{hh:>6} {sl:>28} {'default / wide':>16} {t['default'].ms:12.4f} {t['wide'].ms:12.4f}  "
+          f"wide/default {t['wide'].ms / t['default'].ms:.3f}  o: {_diff(outs['wide'][0], outs['default'][0])}, "
+          f"ht: {_diff(outs['wide'][1], outs['default'][1])}", flush=True)
+
+
+def main():
+    args, mods = setup(__doc__, "fused_fwd", None,
+                       flags={"--wide": "only the shipped module's default vs wide chunk_fwd (default rows: the "
+                                        "wide build's decision rows)"})
+    rows = args.rows or list(WIDE_ROWS if args.wide else ROWS)
+    if args.wide:
+        assert not args.variant, "--wide times the shipped module alone"
     if args.precompile:
-        precompile(args.rows, mods, _builds)
+        precompile(rows, mods, _wide_builds if args.wide else _builds)
         return
     stream = torch.cuda.Stream()
     names = list(mods)
+    if args.wide:
+        print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} {'default ms':>12} {'wide ms':>12}", flush=True)
+        for row in rows:
+            hh, sl, inp, scale, g_cumsum, A, _ = fwd_row(row)
+            wide_vs_default(mods["shipped"], hh, sl, inp, scale, g_cumsum, A, stream)
+        return
     print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "  vs shipped", flush=True)
-    for row in args.rows:
+    for row in rows:
         hh, sl, inp, scale, g_cumsum, A, owned = fwd_row(row)
         q, k, v, beta, h0, cu = inp.q, inp.k, inp.v, inp.beta, inp.h0, inp.cu
         calls = {
@@ -85,18 +127,8 @@ def main():
                 out, ref = (out[owned], ref[owned]) if kernel == "state_recompute" else (out[0], ref[0])
                 line += f"  {n}: {_diff(out, ref)}"
             print(line, flush=True)
-        m = mods["shipped"]
-        if _has_wide(m):
-            # the shipped module's default and wide builds, interleaved
-            fwd = {"narrow": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
-                   "wide": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, wide=True)}
-            outs = {n: f() for n, f in fwd.items()}
-            torch.cuda.synchronize()
-            t = timing.time_runners({n: timing.make_runner(f, stream=stream) for n, f in fwd.items()},
-                                    stream=stream, flush=None)
-            print(f"{hh:>6} {sl:>28} {'narrow / wide':>16} {t['narrow'].ms:12.4f} {t['wide'].ms:12.4f}  "
-                  f"o: {_diff(outs['wide'][0], outs['narrow'][0])}, ht: {_diff(outs['wide'][1], outs['narrow'][1])}",
-                  flush=True)
+        if _has_wide(mods["shipped"]):
+            wide_vs_default(mods["shipped"], hh, sl, inp, scale, g_cumsum, A, stream)
 
 
 if __name__ == "__main__":

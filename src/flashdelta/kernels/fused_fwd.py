@@ -618,14 +618,24 @@ def builder_args(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype
 def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype,
                     h0_dtype: torch.dtype, scale: float, initial_state=(False, True), state_v_first=(False,),
                     chunk_skip=(False,), zero_values=False, states_only=False, partition_starts=False,
-                    transitions=False, save_states=False, state_seqs=False) -> list:
+                    transitions=False, save_states=False, state_seqs=False, wide=False) -> list:
     """(label, builder, args) of every kernel `chunk_fwd` launches for these heads, dims and dtypes, with and without
     an initial state and in the given state layouts (what `flashdelta.warmup` compiles); `chunk_skip` (True: the
     builds with the per-(sequence, head) start chunk), `zero_values` (the zero-value builds), `states_only` (no o),
     `partition_starts` (the training forward's partition start states) and `transitions` (the M and E passes in one
     launch, states_only implied) are what only context parallelism launches (`cp.builds`); `save_states` the training
     forward that saves the backward's chunk states, with `state_seqs` over the sequences of context parallelism's
-    partitions (its output pass)."""
+    partitions (its output pass). `wide`: the opt-in one-CTA-per-(sequence, value head) builds instead
+    (`chunk_fwd(wide=True)`, kernels/fused_fwd_wide.py; K = V = 128, none of the other options)."""
+    if wide:
+        from . import fused_fwd_wide
+
+        assert (K, V) in fused_fwd_wide.HEAD_DIMS and not (any(chunk_skip) or zero_values or states_only
+                                                           or partition_starts or transitions or save_states
+                                                           or state_seqs), "wide: plain chunk_fwd at K = V = 128"
+        return [(f"chunk_fwd H={H} HV={HV} K={K} V={V} h0={has_h0} v_first={vfirst} wide", fused_fwd_wide.build,
+                 builder_args(H, HV, K, V, dtype, beta_dtype, h0_dtype, scale, has_h0, vfirst))
+                for has_h0 in initial_state for vfirst in state_v_first]
     out = []
     for has_h0 in initial_state:
         for vfirst in state_v_first:
@@ -664,7 +674,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None, save_states=False, state_seqs=None):
+              transitions=False, transition_skip=None, save_states=False, state_seqs=None, wide=False):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -698,6 +708,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             ``N_seq`` sequences (context parallelism's partitions; ``seq [N]`` integer, each item's sequence), and
             the states go where `state_recompute` over those sequences puts them, in one ``h [T // BT + N_seq + 1,
             HV, V, K]`` (the output pass of a split forward saving the backward's states).
+        wide: at K = V = 128 only, without the options above: one CTA of 512 threads per (sequence, value head)
+            (kernels/fused_fwd_wide.py: two state warpgroups, one V half each, sharing one prep warpgroup), same
+            results. Opt-in: no dispatch picks it until a GPU measures it against the default 64-column build.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
@@ -712,7 +725,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=save_states,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
-                           transition_skip=transition_skip, state_seqs=state_seqs)
+                           transition_skip=transition_skip, state_seqs=state_seqs, wide=wide)
     return (o, ht) if partition_starts is None and not transitions and not save_states else (o, ht, third)
 
 
@@ -729,10 +742,10 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-            transitions=False, transition_skip=None, state_seqs=None):
+            transitions=False, transition_skip=None, state_seqs=None, wide=False):
     """Both launchers' body: (o, ht, None), (o, ht, hs) with save_states, (o, ht, starts) with partition_starts,
     or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
-    `transitions`, `transition_skip` and `state_seqs` as `chunk_fwd` takes them (`zero_values` not with
+    `transitions`, `transition_skip`, `state_seqs` and `wide` as `chunk_fwd` takes them (`zero_values` not with
     save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -741,6 +754,12 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     assert (K, V) in HEAD_DIMS, f"head dims (K={K}, V={V}) unsupported; supported {HEAD_DIMS}"
     assert q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
     assert HV % H == 0 and g_cumsum.dtype == torch.float32
+    if wide:
+        from . import fused_fwd_wide
+
+        assert (K, V) in fused_fwd_wide.HEAD_DIMS, f"wide: head dims {fused_fwd_wide.HEAD_DIMS} only"
+        assert not (save_states or chunk_skip is not None or zero_values or states_only or transitions
+                    or partition_starts is not None), "wide: plain chunk_fwd only"
     A = A.to(q.dtype)                                           # no copy when it already is
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
@@ -799,6 +818,12 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     vt = v.new_empty(1, 1, 1, V) if zero_values else v.contiguous()     # zero values: a placeholder, never read
     ot = v.new_empty(1, 1, 1, V) if states_only else o                   # states only: a placeholder, never written
     NK = K // BV if transitions else 0
+    if wide:
+        # one CTA per (sequence, value head), the same inputs and outputs
+        fused_fwd_wide.build(*args)(q.contiguous(), k.contiguous(), v.contiguous(), g_cumsum.contiguous(),
+                                    beta.contiguous(), A.contiguous(), h0.contiguous(), cu_seqlens,
+                                    _tl.seq_order(cu_seqlens, HV), o, ht)
+        return o, ht, None
     if chunk_skip is None:
         order = _tl.seq_order(cu_seqlens, HV * (NK + V // BV))
     elif transitions:

@@ -259,29 +259,89 @@ def hang_checks(src: str, host_src: str) -> list:
     return bad
 
 
-def compile_all(build, builds: dict) -> dict:
-    """label -> `build(*args)` of each ``label: args`` in `builds` (or the exception it raised), all compiled at
-    once in threads (the compile tests' module fixtures)."""
-    import concurrent.futures
+# Builders whose builds compile longest here (7-30 s each with both cores busy, the others' 2-6 s): `compile_pool`
+# starts them first, so that the pool ends on short builds with both cores still busy.
+SLOW_FIRST = ("fused_fwd_wide.build", "chunk_bwd.build", "prepare_pipe.build", "fused_fwd.build", "chunk_dstate.build")
 
-    with concurrent.futures.ThreadPoolExecutor(len(builds)) as pool:
-        futures = {label: pool.submit(build, *args) for label, args in builds.items()}
-        return {label: f.exception() or f.result() for label, f in futures.items()}
+
+def build_key(builder, args: tuple) -> tuple:
+    """A build's identity: its builder's name and arguments (what TileLang's memo and cache key it by)."""
+    return builder.__name__, args
+
+
+def build_rows(builder, builds: dict) -> list:
+    """(label, builder, args) rows of a ``label: args`` table of one builder."""
+    return [(label, builder, args) for label, args in builds.items()]
+
+
+def build_params(rows: list, ptxas=None) -> list:
+    """`pytest.param`s of (label, builder, args) rows for a test's `sm90_build` parameter, each with its label as id
+    and marked `sm90_builds` (compiled in the session's compile pool; `ptxas`: as that marker's)."""
+    import pytest
+
+    return [pytest.param(row, id=row[0], marks=pytest.mark.sm90_builds(row, ptxas=ptxas)) for row in rows]
+
+
+def compile_pool(rows, reports: dict, tmp_path) -> dict:
+    """`build_key` -> the compiled kernel (or the exception its build raised) of each (label, builder, args) row, each
+    build once, all in one pool on all cores (TileLang's lowering releases the GIL and nvcc runs as a subprocess),
+    the slowest builders first (`SLOW_FIRST`). `reports`: `build_key` -> the -D flag tuples of the `ptxas_report`s
+    that tests read of that build, run in the same pool after its compile (in tmp_path)."""
+    import concurrent.futures
+    import os
+    import subprocess
+
+    todo = {}
+    for _, builder, args in rows:
+        todo.setdefault(build_key(builder, args), (builder, args))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    order = sorted(todo, key=lambda key: rank.get(key[0], len(rank)))
+
+    def compile_one(i, key):
+        builder, args = todo[key]
+        kernel = builder(*args)
+        for j, defines in enumerate(sorted(reports.get(key, ()))):
+            try:
+                ptxas_report(kernel.get_kernel_source(), tmp_path, f"{key[0]}-{i}-{j}", defines)
+            except subprocess.CalledProcessError:
+                pass            # the test's own call runs it again and fails there
+        return kernel
+
+    workers = max(1, min(len(order), len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {key: pool.submit(compile_one, i, key) for i, key in enumerate(order)}
+        return {key: f.exception() or f.result() for key, f in futures.items()}
+
+
+def pooled(kernels: dict, row: tuple):
+    """The kernel `compile_pool` compiled for a (label, builder, args) row; its build's exception is raised here."""
+    _, builder, args = row
+    kernel = kernels[build_key(builder, args)]
+    if isinstance(kernel, BaseException):
+        raise kernel
+    return kernel
+
+
+_PTXAS: dict = {}      # (CUDA source, defines) -> ptxas_report's report
 
 
 def ptxas_report(src: str, tmp_path, name: str, defines: tuple = ()) -> str:
     """ptxas' resource lines for a build's generated CUDA, compiled the way TileLang compiles it (sm_90a, fast math;
-    `defines`: extra -D flags), in tmp_path/<name>.cu."""
+    `defines`: extra -D flags), in tmp_path/<name>.cu. Each source's report runs once per session (the compile pool
+    runs those its tests declare ahead, `compile_pool`)."""
     import subprocess
 
     from tilelang.env import env as tl_env
 
     from flashdelta import toolkit
 
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(src)
-    cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
-           "--use_fast_math", *(f"-D{d}" for d in defines), f"-I{tl_env.TILELANG_TEMPLATE_PATH}",
-           f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
+    key = (src, tuple(defines))
+    if key not in _PTXAS:
+        cu = tmp_path / f"{name}.cu"
+        cu.write_text(src)
+        cmd = [toolkit.nvcc(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17", "-O3",
+               "--use_fast_math", *(f"-D{d}" for d in defines), f"-I{tl_env.TILELANG_TEMPLATE_PATH}",
+               f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", str(cu)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        _PTXAS[key] = res.stdout + res.stderr
+    return _PTXAS[key]

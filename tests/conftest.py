@@ -42,8 +42,8 @@ def _has_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The CPU tier's kernel compiles: every test in these files, and any test marked `compile`. Without the CUDA
-# toolkit they are skipped with one line saying what is missing and how to get it.
+# The CPU tier's kernel compiles: every test in these files, and any test marked `compile` or `sm90_builds`. Without
+# the CUDA toolkit they are skipped with one line saying what is missing and how to get it.
 COMPILE_FILES = "test_compile_*.py"
 
 
@@ -55,10 +55,14 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "compile: compiles Hopper kernels (needs the CUDA toolkit's nvcc, no GPU)")
+    config.addinivalue_line("markers", "sm90_builds(*rows, ptxas=None): the (label, builder, args) builds the test "
+                                       "compiles, compiled ahead in the session's one compile pool (`sm90_kernels`); "
+                                       "ptxas: the -D flags of each build's ptxas_report the test reads, run there too")
 
 
 def _compiles(item) -> bool:
-    return fnmatch.fnmatch(item.path.name, COMPILE_FILES) or item.get_closest_marker("compile") is not None
+    return fnmatch.fnmatch(item.path.name, COMPILE_FILES) or any(
+        item.get_closest_marker(name) is not None for name in ("compile", "sm90_builds"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,6 +77,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         elif no_toolkit and _compiles(item):
             item.add_marker(pytest.mark.skip(reason=no_toolkit))
+
+
+@pytest.fixture(scope="session")
+def sm90_kernels(request, tmp_path_factory):
+    """The session's one compile of SM90 builds: `_builds.build_key` -> kernel (or the exception its build raised)
+    of every build that a selected test lists in its `sm90_builds` markers, each once, all in one pool on all cores
+    (`_builds.compile_pool`, with the ptxas reports the markers ask for), when the first such test runs; skipped
+    tests' builds are left out. `_builds.pooled` reads a build's kernel; a test may also call the builder itself
+    (TileLang's in-memory memo returns the pooled kernel)."""
+    from _builds import build_key, compile_pool
+
+    rows, reports = [], {}
+    for item in request.session.items:
+        if item.get_closest_marker("skip") is not None:
+            continue
+        for mark in item.iter_markers("sm90_builds"):
+            rows += mark.args
+            if mark.kwargs.get("ptxas") is not None:
+                for _, builder, args in mark.args:
+                    reports.setdefault(build_key(builder, args), set()).add(tuple(mark.kwargs["ptxas"]))
+    return compile_pool(rows, reports, tmp_path_factory.mktemp("sm90-pool"))
+
+
+@pytest.fixture(autouse=True)
+def _sm90_pool(request):
+    """A test marked `sm90_builds` runs after the session's compile pool (`sm90_kernels`)."""
+    if request.node.get_closest_marker("sm90_builds") is not None:
+        request.getfixturevalue("sm90_kernels")
 
 
 @pytest.fixture(autouse=True)

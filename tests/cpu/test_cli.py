@@ -365,31 +365,41 @@ def test_cp_builds_follow_the_benchmark_grid():
         assert listed[0] <= any(cp.choose(T=n, N=1, seq_len=n, **kw, warmup=warm) for n in lengths), (H, HV)
 
 
-@pytest.mark.compile
-def test_warmup_option_builds_compile():
-    """One of each kind of build the new options add, as `variants` lists it, compiles for sm_90a and passes the hang
-    checks: prepare with the raw gate and the beta sigmoid (the activations in its source), the fused forward with
-    fp32 beta, and CP's E pass with chunk_skip (states only)."""
-    pytest.importorskip("tilelang")
-    import concurrent.futures
+def _option_builds() -> list:
+    """Of the builds `variants` lists with the in-kernel gate, the beta sigmoid and CP, one of each kind these options
+    add: prepare with the raw gate and the beta sigmoid, the fused forward with fp32 beta and CP's E pass with
+    chunk_skip (states only); none without TileLang."""
+    import importlib.util
 
-    from _builds import hang_checks
-    from flashdelta.kernels import fused_fwd
+    if importlib.util.find_spec("tilelang") is None:
+        return []
     from flashdelta.precompile import variants
 
     todo = variants([(2, 8)], beta_dtype=BF16, num_sms=132, use_gate_in_kernel=True, g_dtype=BF16,
                     use_beta_sigmoid_in_kernel=True, context_parallel=True)
-    pick = [next(x for x in todo if x[0].startswith("prepare_fwd")),
+    return [next(x for x in todo if x[0].startswith("prepare_fwd")),
             next(x for x in todo if x[0].startswith("chunk_fwd")),
             next(x for x in todo if x[0].startswith("cp ") and x[0].endswith("skip states transitions"))]
 
-    def compile_one(build):
-        kernel = build[1](*build[2])
-        return kernel.get_kernel_source(), kernel.get_host_source()
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        sources = list(pool.map(compile_one, pick))
-    for (label, _, _), (src, host) in zip(pick, sources):
-        assert hang_checks(src, host) == [], label
-    body = sources[0][0].split('extern "C" __global__')[-1]
-    assert "fd_gdn_gate" in body and "fd_beta_act(" in body
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__ == "test_warmup_option_builds_compile":
+        from _builds import build_params
+
+        metafunc.parametrize("sm90_build", build_params(_option_builds()))
+
+
+@pytest.mark.compile
+def test_warmup_option_builds_compile(sm90_build, sm90_kernels):
+    """Each build of `_option_builds` compiles for sm_90a and passes the hang checks, and the prepare build calls
+    both activations (the gate's and beta's). They compile in the session's one compile pool (tests/conftest.py
+    `sm90_kernels`) with the compile tier's builds."""
+    from _builds import hang_checks, pooled
+
+    label = sm90_build[0]
+    kernel = pooled(sm90_kernels, sm90_build)
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == [], label
+    if label.startswith("prepare_fwd"):
+        body = src.split('extern "C" __global__')[-1]
+        assert "fd_gdn_gate" in body and "fd_beta_act(" in body

@@ -2,9 +2,10 @@
 keep every accumulator in registers (no ptxas spills, no stack frame) and use no tensor-core instruction (the scan is
 plain fp32 FMAs); its build table, the V-tile choice, the plan offsets and the launchers' argument checks.
 
-The four builds (~4 s each, compiled at once): the forward at K = V = 128 with h0 and 16-column tiles, the backward
-at V = 256 with dht, dh0 and 32-column tiles (the most registers), the forward at K = V = 64 without h0, with the
-final state, and the backward at K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans).
+The four builds (~4 s each, compiled with their ptxas reports in the session's one compile pool, tests/conftest.py
+`sm90_kernels`): the forward at K = V = 128 with h0 and 16-column tiles, the backward at V = 256 with dht, dh0 and
+32-column tiles (the most registers), the forward at K = V = 64 without h0, with the final state, and the backward at
+K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans).
 tests/gpu/test_cp_scan.py runs them on the GPU.
 """
 import re
@@ -14,7 +15,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
+from _builds import build_params, build_rows, hang_checks, pooled, ptxas_report  # noqa: E402
 
 from flashdelta import cp  # noqa: E402
 from flashdelta.kernels import cp_scan  # noqa: E402
@@ -27,17 +28,9 @@ BUILDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """label -> the compiled kernel (or its exception), all compiled at once."""
-    return compile_all(cp_scan.build, BUILDS)
-
-
-@pytest.mark.parametrize("label", list(BUILDS))
-def test_cp_scan_build_compiles_without_spills(label, compiled, tmp_path):
-    kernel = compiled[label]
-    if isinstance(kernel, BaseException):
-        raise kernel
+@pytest.mark.parametrize("sm90_build", build_params(build_rows(cp_scan.build, BUILDS), ptxas=()))
+def test_cp_scan_build_compiles_without_spills(sm90_build, sm90_kernels, tmp_path):
+    kernel = pooled(sm90_kernels, sm90_build)
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
     assert not re.search(r"wgmma|\bmma\b|mma_sync|tf32", src), "the scan must not use tensor cores"

@@ -7,7 +7,8 @@ decode) is the launcher's table; and the dispatch picks the kernel only where it
 The compiles are the CI's most expensive part here (~2 s each), so only five builds compile: a model's decode step
 (dense, fp32 g, bf16 beta, l2norm, fp32 state), every option at once (varlen, V-first bf16 state, in-kernel gate with
 dt_bias, gk, gv, per-channel beta with 2 sigmoid), and the smallest (K = V = 64, fp32, no optional input), the first
-two also with four lanes per value column (the K split short grids take).
+two also with four lanes per value column (the K split short grids take); they and their ptxas reports run in the
+session's one compile pool (tests/conftest.py `sm90_kernels`).
 ``python bench/dev/decode_bench.py --precompile`` compiles every build the GPU tier uses.
 """
 import importlib.util
@@ -21,7 +22,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
+from _builds import build_params, build_rows, hang_checks, pooled, ptxas_report  # noqa: E402
 
 from flashdelta import UnsupportedError, dispatch, fused_recurrent_gated_delta_rule, precompile, recurrent  # noqa: E402
 from flashdelta.kernels import decode, sm90  # noqa: E402
@@ -54,20 +55,15 @@ BUILDS = {"model": MODEL, "every-option": EVERY_OPTION, "smallest": SMALLEST,
           "model-lanes4": MODEL[:-1] + (4,), "every-option-lanes4": EVERY_OPTION[:-1] + (4,)}
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """label -> the compiled kernel (or its exception), all three compiled at once."""
-    return compile_all(decode.build, BUILDS)
+PTXAS = ("ENABLE_BF16",)        # the -D flags the ptxas reports of these builds compile with
 
 
-@pytest.mark.parametrize("label", list(BUILDS))
-def test_decode_build_compiles_without_spills(label, compiled, tmp_path):
-    kernel = compiled[label]
-    if isinstance(kernel, BaseException):
-        raise kernel
+@pytest.mark.parametrize("sm90_build", build_params(build_rows(decode.build, BUILDS), ptxas=PTXAS))
+def test_decode_build_compiles_without_spills(sm90_build, sm90_kernels, tmp_path):
+    kernel = pooled(sm90_kernels, sm90_build)
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
-    report = ptxas_report(src, tmp_path, "decode", defines=("ENABLE_BF16",))
+    report = ptxas_report(src, tmp_path, "decode", defines=PTXAS)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert "bytes stack frame" in report and re.search(r"\b0 bytes stack frame", report), report

@@ -1,6 +1,8 @@
 """What the SM90 forward launches (`kernels.sm90.forward_builds`, behind `flashdelta.precompile.variants` and
 `flashdelta warmup`) and the SM90 kernel set's declared stages and limits, on the CPU; context parallelism's
-`chunk_skip` builds of the fused forward compile (~8 s each, two at once) within the default build's register budget."""
+`chunk_skip` builds of the fused forward compile (~8 s each) within the default build's register budget. The builds
+this file compiles, and their ptxas reports, run in the session's one compile pool (tests/conftest.py `sm90_kernels`,
+`sm90_builds` markers)."""
 import re
 
 import pytest
@@ -12,6 +14,8 @@ from flashdelta import dispatch, precompile, stages  # noqa: E402
 from flashdelta.kernels import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, sm90  # noqa: E402
 
 SCALE = 128 ** -0.5
+# the SM90 forward's dims and dtypes at 2/8 (bf16, fp32 beta and h0) for sm90's build lists
+OPTS = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32, scale=SCALE)
 
 
 def test_variants_are_the_launchers_builds():
@@ -46,9 +50,12 @@ def test_variants_backward_adds_the_backward_builds():
     assert chunk_bwd.group_add(4, 8) and not chunk_bwd.group_add(2, 8)
 
 
+WARMUP = dict(dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,), context_parallel=False)
+
+
+@pytest.mark.sm90_builds(*precompile.variants([(2, 8)], **WARMUP))
 def test_warmup_compiles_the_variants():
-    seconds = precompile.warmup([(2, 8)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
-                                context_parallel=False, progress=False)
+    seconds = precompile.warmup([(2, 8)], progress=False, **WARMUP)
     assert seconds >= 0
 
 
@@ -145,6 +152,8 @@ def _build_and_report(row, tmp_path):
     return kernel, ptxas_report(kernel.get_kernel_source(), tmp_path, label.replace(" ", "_"))
 
 
+@pytest.mark.sm90_builds(*[(name, fused_fwd.build, a) for name, a in SKIP_BUILDS.items()],
+                         ("transitions", fused_fwd.build, TRANSITIONS_BUILD), ptxas=())
 def test_chunk_skip_builds_compile(tmp_path):
     """CP's builds with the per-(sequence, value head) start chunk: `launcher_builds(chunk_skip=(True,))` lists them
     under their own cache keys (the default builds' arguments are unchanged), CP's M and E passes also with
@@ -193,6 +202,7 @@ def test_chunk_skip_builds_compile(tmp_path):
         assert "fd_store_rows" not in src.split("chunk_fwd_kernel_kernel(", 2)[-1], name
 
 
+@pytest.mark.sm90_builds(*sm90.starts_builds([(2, 8)], **OPTS), ptxas=())
 def test_partition_starts_builds_compile(tmp_path):
     """The training forward's builds that save the backward's partition start states (`partition_starts`): listed
     under their own cache keys (`sm90.starts_builds`, and by `precompile.variants` where CP may split the backward),
@@ -202,16 +212,14 @@ def test_partition_starts_builds_compile(tmp_path):
 
     from _builds import hang_checks
 
-    opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
-                scale=SCALE)
-    lb = sm90.starts_builds([(2, 8)], **opts)
+    lb = sm90.starts_builds([(2, 8)], **OPTS)
     assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
                                                             torch.float32, SCALE, h0, False)
                                      + (False, False, False, False, True) for h0 in (False, True)]
     assert all(label.endswith(" starts") for label, _, _ in lb)
     listed = {(b.__name__, a) for _, b, a in precompile.variants([(16, 32)], backward=True, context_parallel="auto",
                                                                  num_sms=132)}
-    assert all((b.__name__, a) in listed for _, b, a in sm90.starts_builds([(16, 32)], **opts))
+    assert all((b.__name__, a) in listed for _, b, a in sm90.starts_builds([(16, 32)], **OPTS))
     with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
         kernels = list(pool.map(lambda x: _build_and_report(x, tmp_path), lb))
     for (label, _, _), (kernel, report) in zip(lb, kernels):
@@ -239,6 +247,8 @@ def test_seq_order(lengths, ctas, want):
     assert got.dtype == torch.int32 and got.tolist() == want
 
 
+@pytest.mark.sm90_builds(*[b for b in sm90.backward_builds([(2, 8)], **OPTS) if b[0].startswith("chunk_fwd")],
+                         ptxas=())
 def test_saved_states_builds_compile(tmp_path):
     """The training forward's builds that save the backward's chunk states (`save_states`): listed with the backward's
     builds (`sm90.backward_builds`, so `precompile.variants` and `flashdelta warmup` compile them), they compile for
@@ -248,15 +258,13 @@ def test_saved_states_builds_compile(tmp_path):
 
     from _builds import dyn_smem_bytes, hang_checks
 
-    opts = dict(head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32, h0_dtype=torch.float32,
-                scale=SCALE)
-    lb = [b for b in sm90.backward_builds([(2, 8)], **opts) if b[0].startswith("chunk_fwd")]
+    lb = [b for b in sm90.backward_builds([(2, 8)], **OPTS) if b[0].startswith("chunk_fwd")]
     assert [a for _, _, a in lb] == [fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32,
                                                             torch.float32, SCALE, h0, False) + (True,)
                                      for h0 in (False, True)]
     assert all("save_states" in label for label, _, _ in lb)
     listed = {(b.__name__, a) for _, b, a in precompile.variants([(16, 32)], backward=True, num_sms=132)}
-    assert all((b.__name__, a) in listed for _, b, a in sm90.backward_builds([(16, 32)], **opts)
+    assert all((b.__name__, a) in listed for _, b, a in sm90.backward_builds([(16, 32)], **OPTS)
                if b is fused_fwd.build)
     with concurrent.futures.ThreadPoolExecutor(len(lb)) as pool:
         kernels = list(pool.map(lambda x: _build_and_report(x, tmp_path), lb))
@@ -269,6 +277,12 @@ def test_saved_states_builds_compile(tmp_path):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+STATES_BASE = fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
+STATE_SEQS = STATES_BASE + fused_fwd._flags(True, False, False, False, state_seqs=True)
+SAVE_STATES = STATES_BASE + fused_fwd._flags(True, False, False, False)
+
+
+@pytest.mark.sm90_builds(("state_seqs", fused_fwd.build, STATE_SEQS), ("save_states", fused_fwd.build, SAVE_STATES))
 def test_state_seqs_build_compiles():
     """Context parallelism's output pass that saves the backward's chunk states over the whole sequences
     (`save_states` with `state_seqs`): listed where CP lists its backward's builds (`cp.builds`), not for a forward
@@ -280,9 +294,7 @@ def test_state_seqs_build_compiles():
 
     from flashdelta import cp
 
-    base = fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE, True, False)
-    seqs = base + fused_fwd._flags(True, False, False, False, state_seqs=True)
-    saves = base + fused_fwd._flags(True, False, False, False)
+    base, seqs, saves = STATES_BASE, STATE_SEQS, SAVE_STATES
     assert seqs == base + (True, False, False, False, False, False, True)
     keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, SCALE,
                                                      backward=True)}

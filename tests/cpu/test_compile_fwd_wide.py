@@ -2,8 +2,9 @@
 list the launchers or dispatch hand out names it), its builds compile for sm_90a and pass the hang checks, its
 setmaxnreg targets fill the launch's registers exactly (2 state warpgroups x 192 + prep 96 + producers 32 = 4 x 128),
 its shared memory fits one CTA per SM, and ptxas compiles every role at its budget without spills (each role checked
-alone, the others' budgets raised, so that a spill names its role). Two builds compile at once (~15 s each), then
-five ptxas runs (~7 s each)."""
+alone, the others' budgets raised, so that a spill names its role). Two builds (~15 s each) compile in the session's
+one compile pool (tests/conftest.py `sm90_kernels`) with the ptxas runs of the builds as built; the three runs of the
+roles alone (~7 s each) follow in the test."""
 import concurrent.futures
 import re
 
@@ -29,15 +30,16 @@ ROLE_REGS = {"state": f"tl::warpgroup_reg_alloc<{fused_fwd_wide.REGS['state']}>(
 NO_SPILLS = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from _builds import compile_all
+ROWS = [(name, fused_fwd_wide.build, args) for name, args in BUILDS.items()]
 
-    out = compile_all(fused_fwd_wide.build, BUILDS)
-    for k in out.values():
-        if isinstance(k, Exception):
-            raise k
-    return out
+
+@pytest.fixture(scope="module")
+def kernels(sm90_kernels):
+    """name -> the compiled build, from the session's one compile pool (tests/conftest.py `sm90_kernels`: the tests
+    that take this fixture list `ROWS` in their `sm90_builds` markers)."""
+    from _builds import pooled
+
+    return {name: pooled(sm90_kernels, row) for name, row in zip(BUILDS, ROWS)}
 
 
 def test_wide_is_opt_in():
@@ -67,6 +69,7 @@ def _budget(src: str) -> dict:
     return {role: src.count(stmt) for role, stmt in ROLE_REGS.items()}
 
 
+@pytest.mark.sm90_builds(*ROWS)
 def test_wide_builds_compile(kernels):
     """512 threads, one CTA per SM; the roles' setmaxnreg targets (two state warpgroups) sum to the launch's 4 x 128;
     no block-wide barrier past the set-up; shared memory within a CTA's 227 KB; the hang checks pass."""
@@ -97,6 +100,7 @@ def _raised(src: str, role: str) -> str:
     return src
 
 
+@pytest.mark.sm90_builds(*ROWS, ptxas=())
 def test_wide_ptxas_no_spills_per_role(kernels, tmp_path):
     """ptxas: the launch at 128 registers a thread, no spills as built; and each role alone at its budget (the others
     raised) without spills, so that a regression names the role that spills."""

@@ -88,48 +88,27 @@ def _gate_builds() -> dict:
 GATE_BUILDS = _gate_builds()
 
 
-@pytest.fixture(scope="module")
-def gate_results(request):
-    """label -> the hang-check findings of the build (or its exception), for the builds this run selected; compiled
-    on all cores at once, as tests/cpu/test_compile_tier.py does."""
-    import concurrent.futures
-    import os
-
-    from _builds import hang_checks
-
-    def compile_one(label):
-        builder, args = GATE_BUILDS[label]
-        kernel = builder(*args)
-        src = kernel.get_kernel_source()
-        return hang_checks(src, kernel.get_host_source()), src
-
-    labels = [item.callspec.params["label"] for item in request.session.items
-              if item.originalname == "test_in_kernel_gate_build_compiles_sm90"]
-    workers = max(1, min(len(labels), len(os.sched_getaffinity(0))))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {label: pool.submit(compile_one, label) for label in labels}
-        return {label: f.exception() or f.result() for label, f in futures.items()}
-
-
 def pytest_generate_tests(metafunc):
     """The gate builds compiled: every one with --all-builds, else those that make each compile-time choice once
-    (tests/_builds.py `covering`)."""
+    (tests/_builds.py `covering`); the session's compile pool (tests/conftest.py `sm90_kernels`) compiles them with
+    the compile tier's builds."""
     if metafunc.function.__name__ == "test_in_kernel_gate_build_compiles_sm90":
-        from _builds import covering
+        from _builds import build_params, covering
 
         rows = [(label, b, a) for label, (b, a) in GATE_BUILDS.items()]
         rows = rows if metafunc.config.getoption("--all-builds") else covering(rows)
-        metafunc.parametrize("label", [label for label, _, _ in rows])
+        metafunc.parametrize("sm90_build", build_params(rows))
 
 
-def test_in_kernel_gate_build_compiles_sm90(label, gate_results):
+def test_in_kernel_gate_build_compiles_sm90(sm90_build, sm90_kernels):
     """Every prepare build with the in-kernel options compiles for sm_90a, passes the hang checks, and calls the
     activations it was built for (the gate's in the cumsum's load, beta's on load)."""
-    if isinstance(gate_results[label], BaseException):
-        raise gate_results[label]
-    findings, src = gate_results[label]
-    assert findings == []
-    _, args = GATE_BUILDS[label]
+    from _builds import hang_checks, pooled
+
+    kernel = pooled(sm90_kernels, sm90_build)
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    _, _, args = sm90_build
     _, a_log_dtype, _, beta_act = args[6:10]       # (both builders' option arguments)
     body = src.split('extern "C" __global__')[-1]                              # the kernel, after the preludes
     assert ("fd_gdn_gate" in body) == (a_log_dtype is not None)

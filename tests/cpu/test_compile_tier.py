@@ -5,48 +5,28 @@ it is sized for). A failure here is a build error or a hang the GPU machine woul
 the subset that makes every compile-time choice of the list once (`covering`: 37 of 115 builds, ~2.5 minutes on two
 cores instead of ~8); `--all-builds` compiles every one, as bench/precompile.py --tests does before a GPU session.
 
-The builds compile on all cores at once (TileLang's lowering releases the GIL and nvcc runs as a subprocess), each
-test then reads its own result."""
-import concurrent.futures
-import os
-
+The builds compile in the session's one compile pool (tests/conftest.py `sm90_kernels`) with every other build the
+selected tests list in `sm90_builds` markers (the in-kernel gate's, the other compile tests', `flashdelta warmup`'s
+option builds), so that both cores stay busy and no build compiles twice; each test then reads its own result."""
 import pytest
 
 pytest.importorskip("tilelang")
 
-from _builds import covering, hang_checks, shipped  # noqa: E402
+from _builds import build_params, covering, hang_checks, pooled, shipped  # noqa: E402
 
 SHIPPED = shipped()
 BUILDS = {label: (builder, args) for label, builder, args in SHIPPED}
 
 
-def _compile(label):
-    builder, args = BUILDS[label]
-    kernel = builder(*args)
-    return hang_checks(kernel.get_kernel_source(), kernel.get_host_source())
-
-
-@pytest.fixture(scope="module")
-def results(request):
-    """label -> the build's hang-check findings or its exception, for the builds this run selected."""
-    labels = [item.callspec.params["label"] for item in request.session.items
-              if item.originalname == "test_shipped_build_compiles_sm90"]
-    workers = max(1, min(len(labels), len(os.sched_getaffinity(0))))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {label: pool.submit(_compile, label) for label in labels}
-        return {label: f.exception() or f.result() for label, f in futures.items()}
-
-
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ == "test_shipped_build_compiles_sm90":
         builds = SHIPPED if metafunc.config.getoption("--all-builds") else covering(SHIPPED)
-        metafunc.parametrize("label", [label for label, _, _ in builds])
+        metafunc.parametrize("sm90_build", build_params(builds))
 
 
-def test_shipped_build_compiles_sm90(label, results):
-    if isinstance(results[label], BaseException):
-        raise results[label]
-    assert results[label] == []
+def test_shipped_build_compiles_sm90(sm90_build, sm90_kernels):
+    kernel = pooled(sm90_kernels, sm90_build)
+    assert hang_checks(kernel.get_kernel_source(), kernel.get_host_source()) == []
 
 
 def test_labels_name_one_build_each():

@@ -2,10 +2,9 @@
 on the CPU: listed under their own cache keys where CP lists its builds (`cp.builds` with the backward, beside the
 exact pass's default build, whose arguments are unchanged), they compile for sm_90a, pass the hang checks, read
 `take [N, HV]` int32, and ptxas keeps the default build's budget (no spills, no stack frame). The two builds (~8 s
-each, compiled at once): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark rows' dims) and K = V = 64 fp16 with
-fp16 beta at 16/32. And the plan kernel (`kernels.cp_plan`): listed, compiled, checked. tests/gpu/test_cp_gpu.py
-runs them on the GPU.
-"""
+each): K = V = 128 bf16 with fp32 beta at 2/8 (the benchmark rows' dims) and K = V = 64 fp16 with fp16 beta at 16/32.
+And the plan kernel (`kernels.cp_plan`): listed, compiled, checked. tests/gpu/test_cp_gpu.py runs them on the GPU.
+This file's builds and their ptxas reports run in the session's one compile pool (tests/conftest.py `sm90_kernels`)."""
 import functools
 import re
 
@@ -14,10 +13,10 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from _builds import compile_all, hang_checks, ptxas_report  # noqa: E402
+from _builds import build_params, build_rows, hang_checks, pooled, ptxas_report  # noqa: E402
 
 from flashdelta import cp  # noqa: E402
-from flashdelta.kernels import chunk_dstate  # noqa: E402
+from flashdelta.kernels import chunk_dstate, cp_plan, cp_windows, item_order  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -42,17 +41,10 @@ def test_take_builds_are_listed_where_cp_lists_its_builds():
     assert TAKE_BUILDS["128-bf16"] not in fwd_only, "the forward alone launches no chunk_dstate"
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """name -> the compiled take build (or its exception), both compiled at once."""
-    return compile_all(chunk_dstate.build, TAKE_BUILDS)
-
-
-@pytest.mark.parametrize("name", list(TAKE_BUILDS))
-def test_take_build_compiles_within_budget(name, compiled, tmp_path):
-    kernel = compiled[name]
-    if isinstance(kernel, BaseException):
-        raise kernel
+@pytest.mark.parametrize("sm90_build", build_params(build_rows(chunk_dstate.build, TAKE_BUILDS), ptxas=()))
+def test_take_build_compiles_within_budget(sm90_build, sm90_kernels, tmp_path):
+    name = sm90_build[0]
+    kernel = pooled(sm90_kernels, sm90_build)
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
     sig = src[src.index("chunk_dstate_kernel_kernel("):].split(")", 1)[0]
@@ -67,11 +59,10 @@ def test_take_build_compiles_within_budget(name, compiled, tmp_path):
     assert regs and max(regs) <= 255, report
 
 
+@pytest.mark.sm90_builds(("cp_plan", cp_plan.build, cp_plan.builder_args()), ptxas=())
 def test_plan_kernel_compiles_and_is_listed(tmp_path):
     """`kernels.cp_plan` (the SM90 path's plan, one build for every L): listed in `cp.builds`, compiles for sm_90a,
     passes the hang checks, uses no tensor cores and keeps its counters in registers (no spills, no stack)."""
-    from flashdelta.kernels import cp_plan
-
     keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
     assert (cp_plan.build.__name__, cp_plan.builder_args()) in keys
     kernel = cp_plan.build(*cp_plan.builder_args())
@@ -99,8 +90,6 @@ WINDOWS_BUILDS = {
 def test_windows_builds_are_listed_where_cp_lists_its_builds():
     """`kernels.cp_windows` (the SM90 path's warm-up decisions): both keys_normalized builds of the forward's in
     `cp.builds`, the backward's too with the backward, none where it does not take the heads."""
-    from flashdelta.kernels import cp_windows
-
     args = functools.partial(cp_windows.builder_args, 2, 8, 128, torch.bfloat16, torch.float32)
     fwd = {a for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)
            if b is cp_windows.build}
@@ -112,21 +101,14 @@ def test_windows_builds_are_listed_where_cp_lists_its_builds():
     assert cp_windows.unsupported(3, 8, 128, torch.bfloat16, torch.float32) is not None
 
 
-@pytest.fixture(scope="module")
-def windows_compiled():
-    from flashdelta.kernels import cp_windows
-
-    return compile_all(cp_windows.build, {n: cp_windows.builder_args(*a) for n, a in WINDOWS_BUILDS.items()})
-
-
-@pytest.mark.parametrize("name", list(WINDOWS_BUILDS))
-def test_windows_kernel_compiles_and_passes_the_checks(name, windows_compiled, tmp_path):
+@pytest.mark.parametrize("sm90_build", build_params(build_rows(
+    cp_windows.build, {n: cp_windows.builder_args(*a) for n, a in WINDOWS_BUILDS.items()}), ptxas=()))
+def test_windows_kernel_compiles_and_passes_the_checks(sm90_build, sm90_kernels, tmp_path):
     """Each windows build compiles for sm_90a, passes the hang checks, takes the plan's buffers and two float64
     scalars, uses no tensor cores, reads k only without keys_normalized, and keeps its state in registers (no
     spills, no stack)."""
-    kernel = windows_compiled[name]
-    if isinstance(kernel, BaseException):
-        raise kernel
+    name = sm90_build[0]
+    kernel = pooled(sm90_kernels, sm90_build)
     src = kernel.get_kernel_source()
     assert hang_checks(src, kernel.get_host_source()) == []
     sig = src[src.index("cp_windows_kernel_kernel("):].split(")", 1)[0]
@@ -166,20 +148,20 @@ def test_item_order_twin(keys, ctas, descending, tail, want):
     assert got.tolist() == want
 
 
+@pytest.mark.sm90_builds(*[(f"item_order descending={d}", item_order.build, item_order.builder_args(d))
+                           for d in (False, True)], ptxas=())
 def test_item_order_kernel_compiles_and_is_listed(tmp_path):
     """`kernels.item_order` (both directions): listed in `cp.builds` where its passes' builds are, compiles for
     sm_90a, passes the hang checks, claims each position with one returning atomic (the store's bounds check reads
     the claimed register, not a second atomic), no spills and no stack."""
-    from flashdelta.kernels import item_order as io
-
     fwd = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
     both = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
                                                      backward=True)}
-    name = io.build.__name__
-    assert (name, io.builder_args(False)) in fwd and (name, io.builder_args(True)) not in fwd
-    assert {(name, io.builder_args(d)) for d in (False, True)} <= both
+    name = item_order.build.__name__
+    assert (name, item_order.builder_args(False)) in fwd and (name, item_order.builder_args(True)) not in fwd
+    assert {(name, item_order.builder_args(d)) for d in (False, True)} <= both
     for descending in (False, True):
-        kernel = io.build(*io.builder_args(descending))
+        kernel = item_order.build(*item_order.builder_args(descending))
         src = kernel.get_kernel_source()
         assert hang_checks(src, kernel.get_host_source()) == []
         assert src.count("AtomicAddRet(") == 1 and src.count("AtomicAdd(") == 1, "one counting, one claiming atomic"

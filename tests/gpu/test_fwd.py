@@ -57,13 +57,13 @@ def test_chunk_fwd(case):
     _check(case, x, o, ht)
 
 
-def test_chunk_fwd_many_sequences():
-    """70k sequences: more than a grid y/z dimension holds (the sequence index lives in grid x). The float64
-    reference over all of them does not fit in memory, so a sample (every 7th sequence past index 65,529, plus the
-    first 50) is checked: the full launch must match, bit for bit, the kernel run on the sample alone, and that
-    run must match the reference."""
+def check_many_sequences(run):
+    """70k sequences through `run` (a chunk_fwd launch of an `_inputs` dict): more than a grid y/z dimension holds
+    (the sequence index lives in grid x). The float64 reference over all of them does not fit in memory, so a sample
+    (every 7th sequence past index 65,529, plus the first 50) is checked: the full launch must match, bit for bit, the
+    same launch on the sample alone, and that run must match the reference."""
     x = _inputs(FWD_MANY_SEQS)
-    o, ht = _run(x)
+    o, ht = run(x)
     cu = x["cu_seqlens"].tolist()
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert torch.equal(o[:, cu[-1]:], torch.zeros_like(o[:, cu[-1]:]))
@@ -71,13 +71,17 @@ def test_chunk_fwd_many_sequences():
     tok = torch.cat([torch.arange(cu[n], cu[n + 1]) for n in pick]).to(o.device)
     sub_cu = torch.tensor([0] + [cu[n + 1] - cu[n] for n in pick], device=o.device).cumsum(0).to(torch.int32)
     sub = dict(x, cu_seqlens=sub_cu, **{name: x[name][:, tok] for name in ("q", "k", "v", "g_cumsum", "beta", "A")})
-    so, sh = _run(sub)
+    so, sh = run(sub)
     assert torch.equal(so, o[:, tok]) and torch.equal(sh, ht[pick])
     args = (sub["q"], sub["k"], sub["v"], sub["g_cumsum"], sub["beta"], sub["A"], None, sub_cu)
     ro, rh = ref.chunk_fwd(*args, scale=x["scale"])
     bo, bh = portable.chunk_fwd(*args, scale=x["scale"], compute_dtype=torch.float32, operand_dtype=torch.bfloat16)
     assert_close("o", so, ro, baseline=bo)
     assert_close("ht", sh, rh, baseline=bh)
+
+
+def test_chunk_fwd_many_sequences():
+    check_many_sequences(_run)
 
 
 def test_chunk_fwd_deterministic():
@@ -87,22 +91,26 @@ def test_chunk_fwd_deterministic():
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
 
-def test_chunk_fwd_graph_capturable():
-    """No host synchronisation: the launch records into a CUDA graph and replays to the same result."""
+def check_graph_capturable(run):
+    """No host synchronisation: `run` records into a CUDA graph and replays to the same result."""
     x = _inputs(FWD_GRAPH)
-    o_ref, h_ref = _run(x)
+    o_ref, h_ref = run(x)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _run(x)
+        run(x)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, ht = _run(x)
+        o, ht = run(x)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)
+
+
+def test_chunk_fwd_graph_capturable():
+    check_graph_capturable(_run)
 
 
 @pytest.mark.bigmem

@@ -9,10 +9,9 @@ opt-in (no dispatch picks it), so these launches are the only ones that run it.
 import pytest
 import torch
 from cases import FWD_CASES, FWD_DET, FWD_GRAPH, FWD_MANY_SEQS
-from test_fwd import _check, _inputs
+from test_fwd import _check, _inputs, check_graph_capturable, check_many_sequences
 
 from flashdelta.kernels import fused_fwd, fused_fwd_wide
-from flashdelta.reference import chunked as ref
 
 WIDE_CASES = [c for c in FWD_CASES + [FWD_DET, FWD_GRAPH] if (c.K, c.V) in fused_fwd_wide.HEAD_DIMS]
 
@@ -44,43 +43,10 @@ def test_chunk_fwd_wide(case):
 
 
 def test_chunk_fwd_wide_many_sequences():
-    """70k sequences (the sequence index past a grid y/z dimension): the full launch bit for bit against the wide
-    kernel on a sample of them, and that run against the reference."""
-    from _helpers import assert_close
-
-    from flashdelta import portable
-
-    x = _inputs(FWD_MANY_SEQS)
-    o, ht = _run(x)
-    cu = x["cu_seqlens"].tolist()
-    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
-    assert torch.equal(o[:, cu[-1]:], torch.zeros_like(o[:, cu[-1]:]))
-    pick = list(range(50)) + list(range(65530, 70000, 7))
-    tok = torch.cat([torch.arange(cu[n], cu[n + 1]) for n in pick]).to(o.device)
-    sub_cu = torch.tensor([0] + [cu[n + 1] - cu[n] for n in pick], device=o.device).cumsum(0).to(torch.int32)
-    sub = dict(x, cu_seqlens=sub_cu, **{name: x[name][:, tok] for name in ("q", "k", "v", "g_cumsum", "beta", "A")})
-    so, sh = _run(sub)
-    assert torch.equal(so, o[:, tok]) and torch.equal(sh, ht[pick])
-    args = (sub["q"], sub["k"], sub["v"], sub["g_cumsum"], sub["beta"], sub["A"], None, sub_cu)
-    ro, rh = ref.chunk_fwd(*args, scale=x["scale"])
-    bo, bh = portable.chunk_fwd(*args, scale=x["scale"], compute_dtype=torch.float32, operand_dtype=torch.bfloat16)
-    assert_close("o", so, ro, baseline=bo)
-    assert_close("ht", sh, rh, baseline=bh)
+    """70k sequences (the sequence index past a grid y/z dimension), test_fwd.py's check on the wide build."""
+    check_many_sequences(_run)
 
 
 def test_chunk_fwd_wide_graph_capturable():
     """No host synchronisation: the wide launch records into a CUDA graph and replays to the same result."""
-    x = _inputs(FWD_GRAPH)
-    o_ref, h_ref = _run(x)
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _run(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, ht = _run(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_ref) and torch.equal(ht, h_ref)
+    check_graph_capturable(_run)

@@ -25,6 +25,19 @@ def _add(out: dict, label: str, builder, args: tuple) -> None:
     out.setdefault((builder.__name__, args), (label, builder, args))
 
 
+# `flashdelta.precompile.variants` lists the wide forward builds wherever K = V = 128 (the API picks them where the
+# sequences and heads fill whole waves, `cp_model.wide_pays`); no test case that takes its builds from it has such a
+# shape, so they are left out of those lists (tests/gpu/test_fwd_wide.py lists the ones it launches)
+WIDE_BUILDER = "fused_fwd_wide.build"
+
+
+def _variants(heads: list, **kw) -> list:
+    """`flashdelta.precompile.variants` less the wide forward builds (`WIDE_BUILDER`)."""
+    from flashdelta.precompile import variants
+
+    return [(label, b, a) for label, b, a in variants(heads, **kw) if b.__name__ != WIDE_BUILDER]
+
+
 def _stage_builds(forced: bool) -> dict:
     from flashdelta.kernels import (chunk_bwd, chunk_dstate, fused_fwd, group_sum, l2norm, prepare, prepare_bwd,
                                     prepare_oneshot, prepare_pipe)
@@ -84,9 +97,7 @@ def _stage_builds(forced: bool) -> dict:
 def _e2e_builds() -> dict:
     """What the public API launches for tests/gpu/test_e2e_gpu.py (`flashdelta.precompile.variants`, the list
     `flashdelta warmup` compiles), per case exactly its layout and initial state; without context parallelism's
-    builds (the CP tests list theirs, `_cp_builds`)."""
-    from flashdelta.precompile import variants
-
+    builds (the CP tests list theirs, `_cp_builds`) and the wide forward's (`_variants`)."""
     todo = [(c, dt, {}) for c, dt in cases.E2E_PAIRS]
     todo += [(cases.E2E_L2NORM, torch.bfloat16, dict(qk_l2norm=True)),
              (cases.E2E_SCALE_FP64, torch.bfloat16, dict(beta_dtype=torch.float64, h0_dtype=torch.float64,
@@ -104,8 +115,8 @@ def _e2e_builds() -> dict:
     out: dict = {}
     for c, dtype, kw in todo:
         kw = dict(dict(beta_dtype=dtype, qk_l2norm=False), **kw)
-        for label, b, a in variants([(c.H, c.HV)], head_dim=(c.K, c.V), dtype=dtype, initial_state=(c.h0,),
-                                    state_v_first=(c.state_v_first,), num_sms=NUM_SMS, context_parallel=False, **kw):
+        for label, b, a in _variants([(c.H, c.HV)], head_dim=(c.K, c.V), dtype=dtype, initial_state=(c.h0,),
+                                     state_v_first=(c.state_v_first,), num_sms=NUM_SMS, context_parallel=False, **kw):
             _add(out, f"e2e {c.name}-{str(dtype)[6:]}: {label}", b, a)
     return out
 
@@ -119,7 +130,10 @@ def _gpu_test_module(stem: str):
     name = f"gpu_{stem}"
     mod = sys.modules.get(name)
     if mod is None:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", f"{stem}.py")
+        gpu = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu")
+        if gpu not in sys.path:             # its imports of sibling test modules, as pytest's collection allows
+            sys.path.append(gpu)
+        path = os.path.join(gpu, f"{stem}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod            # (a dataclass in it looks its module up)
@@ -145,12 +159,10 @@ def _decode_builds() -> dict:
 def _hf_builds() -> dict:
     """The SM90 builds of the Hugging Face test on the GPU: its tiny Qwen3-Next's GDN layers (H=2, HV=4, K=V=128,
     bf16 with bf16 beta, q/k l2norm), prefill with and without the cache's state, the training step's backward and the
-    decode steps (`flashdelta.precompile.variants`, as bench/dev/hf_gpu.sh precompile)."""
-    from flashdelta.precompile import variants
-
+    decode steps (`_variants`, as bench/dev/hf_gpu.sh precompile less the wide builds its shapes never pick)."""
     out: dict = {}
-    for label, b, a in variants([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
-                                num_sms=NUM_SMS, backward=True, decode=True, context_parallel=False):
+    for label, b, a in _variants([(2, 4)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                 num_sms=NUM_SMS, backward=True, decode=True, context_parallel=False):
         _add(out, f"hf qwen3-next: {label}", b, a)
     return out
 
@@ -196,11 +208,13 @@ def covering(builds: list) -> list:
 
 def _cp_builds() -> dict:
     """The builds of the GPU test files that list their own (their `builds`): the context-parallel tests
-    (tests/gpu/test_cp_gpu.py, test_cp_scan.py) and the in-kernel gate's (test_prepare.py, test_e2e_gpu.py)."""
+    (tests/gpu/test_cp_gpu.py, test_cp_scan.py), the in-kernel gate's (test_prepare.py, test_e2e_gpu.py) and the wide
+    forward's (test_fwd_wide.py)."""
     out: dict = {}
-    for stem in ("test_cp_gpu", "test_cp_scan", "test_prepare", "test_e2e_gpu"):
+    for stem in ("test_cp_gpu", "test_cp_scan", "test_prepare", "test_e2e_gpu", "test_fwd_wide"):
         for label, b, a in _gpu_test_module(stem).builds():
-            _add(out, label, b, a)
+            if stem == "test_fwd_wide" or b.__name__ != WIDE_BUILDER:     # the CP tests' shapes never pick it
+                _add(out, label, b, a)
     return out
 
 

@@ -311,6 +311,7 @@ def chunk_gated_delta_rule(
     if use_gate_in_kernel:
         _check_gate_params(A_log, dt_bias, HV, q.device)
 
+    cu_host = None                  # the host lengths of varlen input
     if cu_seqlens is not None:
         cu_host = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
         if chunk_indices is not None:   # a caller who passes the host copy pays no device read for this either
@@ -328,8 +329,9 @@ def chunk_gated_delta_rule(
     _no_forward_ad("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, A_log, dt_bias)
     need_bwd = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-    cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None,
-                                cu_host if cu_seqlens is not None else None)
+    cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None, cu_host)
+    if not need_bwd and _wide_forward(cp_code, q, B, T, K, HV, V, N, cu_host):
+        cp_code = cp.with_wide(cp_code)
     # the in-kernel gate and beta activation are stage prepare_fwd's options (docs/stages.md)
     o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                              use_qk_l2norm_in_kernel, state_v_first, need_bwd, cp_code, A_log, dt_bias,
@@ -350,6 +352,20 @@ def _context_parallel(request, q: Tensor, B: int, T: int, K: int, HV: int, V: in
     lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
     return cp.decide(request, kset=kset, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, varlen=varlen,
                      N=N, lengths=lengths)
+
+
+def _wide_forward(cp_code: int, q: Tensor, B: int, T: int, K: int, HV: int, V: int, N: int,
+                  cu_host: Optional[Tensor]) -> bool:
+    """Whether an unsplit inference forward runs the wide build (one CTA per (sequence, value head)): on the SM90
+    kernels, from the host lengths (cu_host, or B sequences of T tokens), where `cp_model.wide_pays` predicts it
+    faster. Decided on the host only: a traced call (torch.compile) runs the default build."""
+    if q.device.type != "cuda" or torch.compiler.is_compiling() or cp_code < 0 or cp.decode(cp_code)[0]:
+        return False
+    if dispatch.plan(q.device, K, V, q.dtype, need_bwd=False).kset("chunk_fwd").name != "sm90":
+        return False
+    lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
+    return cp.wide_pays(T=B * T, N=N, HV=HV, K=K, V=V, sms=cp.num_sms(q.device), lengths=lengths,
+                              seq_len=None if cu_host is not None else T)
 
 
 chunk_gdn = chunk_gated_delta_rule

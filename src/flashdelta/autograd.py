@@ -21,7 +21,8 @@ The forward op's context_parallel argument is the code from `cp.decide`: both pa
 (`cp.encode`; 0: serial), or `cp.CP_AUTO` / `cp.CP_ON` (decided in each op from the concrete shapes). The backward
 op gets the same code through autograd's context and runs `cp.cp_chunk_bwd` (docs/dev/cp.md) where the backward's
 part of it splits; the forward's part decides the forward alone, so either pass may split without the other (a
-serial forward saves the start states of the backward's partitions, `chunk_fwd(partition_starts=...)`).
+serial forward saves the start states of the backward's partitions, `chunk_fwd(partition_starts=...)`). A code may
+also carry `cp.with_wide`'s flag: the unsplit inference forward then runs the wide build (`chunk_fwd(wide=True)`).
 """
 from __future__ import annotations
 
@@ -249,6 +250,8 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
             extra = dict(partition_starts=(starts[0], parts.first_index, parts.P))
         elif states >= 0:
             extra = dict(save_states=True)
+        elif cp.wide(context_parallel) and not need_bwd and ks.name == "sm90":
+            extra = dict(wide=True)     # one CTA per (sequence, value head): the API's pick (`cp_model.wide_pays`)
         o, ht, *third = ks.chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
                                      scale=scale, state_v_first=state_v_first, **extra)
     # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares, or a placeholder

@@ -62,13 +62,13 @@ import torch
 from . import cp_model
 from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ_CHUNKS,  # noqa: F401 - re-exported
                        MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
-                       choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold)
+                       choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold, wide_pays)
 
 __all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "GradWindows", "Windows", "auto_lengths", "bounds",
            "builds", "choose", "choose_bwd", "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode",
            "grad_windows", "make_plan", "num_sms", "parse_request", "parse_warmup", "predict", "predict_bwd",
            "resolve_code", "scan_cost", "scan_grads", "scan_log", "scan_serial", "scan_states", "summaries",
-           "supported", "supported_bwd", "warmup_threshold", "windows"]
+           "supported", "supported_bwd", "warmup_threshold", "wide", "wide_pays", "windows", "with_wide"]
 
 Tensor = torch.Tensor
 
@@ -91,6 +91,8 @@ NORMALIZED_KEY_NORM2 = 1.004
 CP_AUTO = -1                    # the cost models, from shapes alone
 CP_ON = -2                      # CP with each cost model's best L, from shapes alone
 _BWD = 1 << 24                  # code = L_fwd + _BWD * L_bwd; partition lengths stay below it
+# set on a code (`with_wide`) where the unsplit inference forward runs the wide build (`cp_model.wide_pays`)
+_WIDE = 1 << 48
 
 # ------------------------------------------------------------------------------------------------ request
 
@@ -146,10 +148,23 @@ def encode(fwd: int, bwd: int) -> int:
 
 
 def decode(code: int) -> tuple:
-    """(forward L, backward L) of a code >= 0 from `encode`."""
+    """(forward L, backward L) of a code >= 0 from `encode` (`with_wide`'s flag aside)."""
     if code < 0:
         raise ValueError(f"code: {code} is resolved by resolve_code, not decoded")
+    code %= _WIDE
     return code % _BWD, code // _BWD
+
+
+def with_wide(code: int) -> int:
+    """`code` (a serial forward's: forward L 0) with the flag that makes the forward run the wide build."""
+    if code < 0 or decode(code)[0]:
+        raise ValueError(f"code: {code} has no serial forward to run wide")
+    return code | _WIDE
+
+
+def wide(code: int) -> bool:
+    """Whether `code` carries `with_wide`'s flag."""
+    return code >= 0 and bool(code & _WIDE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,7 @@
 """Context parallelism's cost model (docs/dev/cp.md, "Cost model"): predicted H200 times of the serial forward and
-backward and of their CP passes, the partition length each pass picks (`choose`, `choose_bwd`), and the warm-up
-request the model and the plan share (`parse_warmup`, `warmup_threshold`).
+backward and of their CP passes, the partition length each pass picks (`choose`, `choose_bwd`), whether the unsplit
+forward runs the wide build (`wide_pays`), and the warm-up request the model and the plan share (`parse_warmup`,
+`warmup_threshold`).
 
 The constants are microseconds on an H200 (132 SMs, bf16, K = V = 128). ``bench/dev/fit_cp.py`` fitted the
 forward's launch, chunk and item constants, `SUMMARY_CHUNK_FACTOR` and `WARMUP_US`, and with ``--bwd`` the
@@ -56,6 +57,16 @@ CHUNK_US_FULL = 1.45            # per chunk and CTA, every SM busy
 CHUNK_US_IDLE = 1.29            # per chunk and CTA, few CTAs (higher clock)
 ITEM_US = 5.2                   # per CTA: start, pipeline fill, drain
 LAUNCH_US = 5.2                 # per fused launch, fixed
+# The wide forward build (`fused_fwd.chunk_fwd(wide=True)`: one CTA per (sequence, value head) for all of V = 128,
+# where the default runs V / 64 CTAs): `WIDE_CHUNK_FACTOR` x the default CTA's time per chunk, `WIDE_ITEM_US` per CTA.
+# Least squares on the log of wide / default over 15 rows (16/16 .. 16/64, 1k-32k tokens, 64-512 (sequence, value
+# head) items; H100 80GB at 4949364, bench/results/h100/2026-12-07_4949364_wide_ab.txt): every ratio within 8%, the
+# ones the model puts below `WIDE_MARGIN` all measured below 0.98. The unsplit inference forward takes the wide build
+# where the model predicts it `WIDE_MARGIN` x the default's time or less (`wide_pays`).
+WIDE_CHUNK_FACTOR = 2.0
+WIDE_ITEM_US = 3.5
+WIDE_MARGIN = 0.95
+WIDE_HEAD_DIMS = ((128, 128),)  # kernels.fused_fwd_wide.HEAD_DIMS (tests/cpu/test_cp_model.py checks they agree)
 # The scans' constants are the predictions written before they ran. The scan kernel measured 13.56 us + 3.333 us a
 # step (2/8 and 4/16 1x32768, L = 32 and 64: bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt; ~3.3 a step
 # since); those values move 18 of the benchmark grids' 144 rows (forward and backward) to partition lengths no run
@@ -180,6 +191,27 @@ def _launch_terms(items: list, slots: int, idle: float, full: float, item: float
 def _pass_us(items: list, sms: int) -> float:
     """One fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us`, one CTA per SM at a time)."""
     return _launch_us(items, sms, CHUNK_US_IDLE, CHUNK_US_FULL, ITEM_US, LAUNCH_US)
+
+
+def _wide_pass_us(items: list, sms: int) -> float:
+    """One wide fused-forward launch over `items` = [(chunks, count)] CTAs (`_launch_us` at `WIDE_CHUNK_FACTOR` of
+    the per-chunk time and `WIDE_ITEM_US` per CTA, one CTA per SM at a time)."""
+    f = WIDE_CHUNK_FACTOR
+    return _launch_us(items, sms, CHUNK_US_IDLE * f, CHUNK_US_FULL * f, WIDE_ITEM_US, LAUNCH_US)
+
+
+def wide_pays(*, T: int, N: int, HV: int, K: int, V: int, sms: int, lengths=None,
+              seq_len: Optional[int] = None) -> bool:
+    """Whether the unsplit forward's wide build (one CTA per (sequence, value head)) is predicted at most
+    `WIDE_MARGIN` x the default build's time (V / 64 CTAs per (sequence, value head)) for N sequences of T tokens in
+    all (`lengths`: the host lengths; `seq_len`: N equal ones, dense input). Where the CTAs of either build leave SMs
+    idle the default wins (~1.9x at one wave); where the wide build's CTAs fill whole waves and the default's leave
+    a partial one, or the sequences are short (one start, fill and drain instead of two), the wide build does."""
+    if (K, V) not in WIDE_HEAD_DIMS or N * T == 0:
+        return False
+    chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)
+    default = _pass_us([(c, HV * (V // 64)) for c in chunks], sms)
+    return _wide_pass_us([(c, HV) for c in chunks], sms) <= WIDE_MARGIN * default
 
 
 def _summary_pass_us(items: list, sms: int) -> float:

@@ -233,13 +233,14 @@ def test_warmup_gate_options_are_the_builds_the_forward_launches():
                      use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
     assert [x for x in gated if x[0].startswith("prepare_fwd")] == prepare.launcher_builds(
         2, 8, 128, BF16, BF16, num_sms=132, g_dtype=BF16, a_log_dtype=F32, dt_bias_dtype=None, beta_act=2)
-    # the forward's fused builds, then the training forward's that save the backward's states (fp32 beta gated)
-    fused = [x for x in gated if x[0].startswith("chunk_fwd")]
-    assert fused == fused_fwd.launcher_builds(2, 8, 128, 128, BF16, F32, F32, SCALE) + fused_fwd.launcher_builds(
-        2, 8, 128, 128, BF16, F32, F32, SCALE, save_states=True)
-    assert [x for x in plain if x[0].startswith("chunk_fwd")] == fused_fwd.launcher_builds(
-        2, 8, 128, 128, BF16, BF16, F32, SCALE) + fused_fwd.launcher_builds(2, 8, 128, 128, BF16, BF16, F32, SCALE,
-                                                                           save_states=True)
+    # the forward's fused builds (the default and the wide ones), then the training forward's that save the
+    # backward's states (fp32 beta gated)
+    def fused_builds(beta):
+        return sum((fused_fwd.launcher_builds(2, 8, 128, 128, BF16, beta, F32, SCALE, **opt)
+                    for opt in ({}, dict(wide=True), dict(save_states=True))), [])
+
+    assert [x for x in gated if x[0].startswith("chunk_fwd")] == fused_builds(F32)
+    assert [x for x in plain if x[0].startswith("chunk_fwd")] == fused_builds(BF16)
     backward = sm90.backward_builds([(2, 8)], head_dim=(128, 128), dtype=BF16, beta_dtype=F32, h0_dtype=F32,
                                     scale=SCALE)
     assert _keys(backward) <= _keys(gated) and not _keys(backward) <= _keys(plain)

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdelta import dispatch, precompile, stages  # noqa: E402
-from flashdelta.kernels import chunk_bwd, fused_fwd, l2norm, prepare, prepare_bwd, sm90  # noqa: E402
+from flashdelta.kernels import chunk_bwd, fused_fwd, fused_fwd_wide, l2norm, prepare, prepare_bwd, sm90  # noqa: E402
 
 SCALE = 128 ** -0.5
 # the SM90 forward's dims and dtypes at 2/8 (bf16, fp32 beta and h0) for sm90's build lists
@@ -23,10 +23,11 @@ def test_variants_are_the_launchers_builds():
     real call uses."""
     todo = precompile.variants([(2, 4)], dtype=torch.bfloat16, beta_dtype=torch.bfloat16, initial_state=(True,),
                                context_parallel=False)
-    assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "chunk_fwd"]
+    assert [label.split()[0] for label, _, _ in todo] == ["l2norm_fwd", "prepare_fwd", "chunk_fwd", "chunk_fwd"]
     assert todo[0][1:] == (l2norm.build, l2norm.builder_args(128, torch.bfloat16))
-    assert todo[2][1:] == (fused_fwd.build, fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16,
-                                                                   torch.float32, SCALE, True, False))
+    fused = fused_fwd.builder_args(2, 4, 128, 128, torch.bfloat16, torch.bfloat16, torch.float32, SCALE, True, False)
+    assert todo[2][1:] == (fused_fwd.build, fused)
+    assert todo[3][1:] == (fused_fwd_wide.build, fused)     # the API's pick where its CTAs fill waves
     want = prepare.launcher_builds(2, 4, 128, torch.bfloat16, torch.bfloat16, num_sms=132)
     assert precompile.variants([(2, 4)], beta_dtype=torch.bfloat16, num_sms=132, qk_l2norm=False)[:1] == want
     # prepare_fwd once per build the launcher may pick: GVA 8 splits its heads on small grids

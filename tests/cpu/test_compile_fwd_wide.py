@@ -1,5 +1,5 @@
-"""The wide fused forward (`chunk_fwd(wide=True)`, kernels/fused_fwd_wide.py) on the CPU: it is opt-in (no build
-list the launchers or dispatch hand out names it), its builds compile for sm_90a and pass the hang checks, its
+"""The wide fused forward (`chunk_fwd(wide=True)`, kernels/fused_fwd_wide.py) on the CPU: the build lists name it beside
+the default build (the API picks it where `cp_model.wide_pays` says), its builds compile for sm_90a and pass the hang checks, its
 setmaxnreg targets fill the launch's registers exactly (2 state warpgroups x 192 + prep 96 + producers 32 = 4 x 128),
 its shared memory fits one CTA per SM, and ptxas compiles every role at its budget without spills (each role checked
 alone, the others' budgets raised, so that a spill names its role). Two builds (~15 s each) compile in the session's
@@ -42,10 +42,11 @@ def kernels(sm90_kernels):
     return {name: pooled(sm90_kernels, row) for name, row in zip(BUILDS, ROWS)}
 
 
-def test_wide_is_opt_in():
+def test_wide_builds_are_listed_beside_the_default():
     """`launcher_builds(wide=True)` lists the wide builds under the default builds' arguments (their own builder);
-    the default list, the SM90 forward's builds and `precompile.variants` (what `flashdelta warmup` compiles) hold
-    none of them; the wide builder refuses other head dims."""
+    the default list holds none of them; the SM90 forward's builds and `precompile.variants` (what `flashdelta
+    warmup` compiles) list both, as the API may pick either (`cp_model.wide_pays`); the wide builder refuses other
+    head dims and the training forward's options."""
     args = BUILDS["bf16-h0"]
     lb = fused_fwd.launcher_builds(16, 64, 128, 128, torch.bfloat16, torch.float32, torch.float32, SCALE,
                                    initial_state=(True,), wide=True)
@@ -54,9 +55,11 @@ def test_wide_is_opt_in():
                                                             torch.float32, SCALE, initial_state=(True,))] == \
         [(fused_fwd.build, args)]
     fwd = sm90.forward_builds([(16, 64)], head_dim=(128, 128), dtype=torch.bfloat16, beta_dtype=torch.float32,
-                              h0_dtype=torch.float32, scale=SCALE)
+                              h0_dtype=torch.float32, scale=SCALE, initial_state=(True,))
+    assert [(b, a) for _, b, a in fwd if a == args] == [(fused_fwd.build, args), (fused_fwd_wide.build, args)]
     listed = precompile.variants([(16, 64)], backward=True, num_sms=132)
-    assert not any(b is fused_fwd_wide.build for _, b, _ in fwd + listed)
+    assert sum(b is fused_fwd_wide.build for _, b, _ in listed) == 2          # with and without an initial state
+    assert not any(b is fused_fwd_wide.build for _, b, _ in precompile.variants([(2, 4)], head_dim=(64, 64)))
     with pytest.raises(AssertionError, match="wide"):
         fused_fwd.launcher_builds(2, 4, 64, 64, torch.bfloat16, torch.float32, torch.float32, SCALE, wide=True)
     with pytest.raises(AssertionError, match="wide"):

@@ -710,7 +710,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             HV, V, K]`` (the output pass of a split forward saving the backward's states).
         wide: at K = V = 128 only, without the options above: one CTA of 512 threads per (sequence, value head)
             (kernels/fused_fwd_wide.py: two state warpgroups, one V half each, sharing one prep warpgroup), same
-            results bit for bit. Opt-in: faster only where its CTAs fill whole waves (docs/dev/fused_fwd.md item 0).
+            results bit for bit; the API's pick where its CTAs fill whole waves (`cp_model.wide_pays`).
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of

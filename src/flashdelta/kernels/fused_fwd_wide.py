@@ -1,11 +1,12 @@
 """The wide fused forward (`fused_fwd.chunk_fwd(wide=True)`): one CTA of 512 threads per (sequence, value head) at
 K = V = 128, so that each chunk's K-side products are formed once for all of V instead of once per 64-column V slice.
 
-Opt-in: the launcher's default stays the 64-column build (kernels/fused_fwd.py, whose docstring has the per-chunk
-math and notation). Its outputs equal the default build's bit for bit; it is faster only where its CTAs fill whole
-waves and ~1.9x slower where the default's fill one, and no dispatch picks it until that choice is measured on
-varlen input. docs/dev/fused_fwd.md, "What to try next" item 0, has the design, its ptxas budgets and the measured
-outcome; bench/dev/fused_fwd_wide_protocol.py models its barrier protocol.
+The launcher's default stays the 64-column build (kernels/fused_fwd.py, whose docstring has the per-chunk math and
+notation). This one's outputs equal it bit for bit; it is faster where its CTAs fill whole waves and the sequences
+are short, ~1.9x slower where the default's CTAs fill one wave, so the public API picks it for the unsplit inference
+forward where `cp_model.wide_pays` predicts it faster from the host lengths. docs/dev/fused_fwd.md, "What to try
+next" item 0, has the design, its ptxas budgets and the measured outcome; bench/dev/fused_fwd_wide_protocol.py models
+its barrier protocol.
 
 Roles (512 threads; setmaxnreg targets sum to 2 x 192 + 96 + 32 = 512 = 4 x the launch's 128 per thread slot):
 

@@ -10,7 +10,8 @@ from typing import Iterable, Optional
 import torch
 
 from ..stages import ANY, KernelSet, Stage
-from . import chunk_bwd, chunk_dstate, decode, fused_fwd, group_sum, l2norm, prepare, prepare_bwd, prepare_common
+from . import (chunk_bwd, chunk_dstate, decode, fused_fwd, fused_fwd_wide, group_sum, l2norm, prepare, prepare_bwd,
+               prepare_common)
 
 # (K, V) head dims the whole SM90 forward handles; others raise (forced backend) or run the portable path.
 HEAD_DIMS = tuple(kv for kv in fused_fwd.HEAD_DIMS if kv[0] in prepare_common.SUPPORTED_K)
@@ -46,7 +47,7 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
                    dt_bias_dtype: Optional[torch.dtype] = None, beta_act: int = 0) -> list:
     """(label, builder, args) of every kernel the SM90 forward launches for these (H, HV) pairs: the q/k
     normalisation (with qk_l2norm), each build `prepare_fwd` may pick, and the fused kernel with and without an
-    initial state in each state layout. beta_dtype / h0_dtype as the forward passes them (`KERNELS.param_dtype`).
+    initial state in each state layout (at K = V = 128 also its wide builds, `cp_model.wide_pays`). beta_dtype / h0_dtype as the forward passes them (`KERNELS.param_dtype`).
     num_sms: the target GPU's SM count (the persistent prepare kernel's grid; None: this machine's GPU, else 132).
     g_dtype, a_log_dtype, dt_bias_dtype, beta_act: `prepare_fwd`'s in-kernel gate and beta activation
     (`prepare.launcher_builds`: an A_log dtype makes g the raw gate in g_dtype, fp32 otherwise; dt_bias None: no
@@ -58,6 +59,9 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
     for H, HV in heads:
         out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, num_sms, **gate)
         out += fused_fwd.launcher_builds(H, HV, K, V, dtype, chunk_beta, h0_dtype, scale, initial_state, state_v_first)
+        if (K, V) in fused_fwd_wide.HEAD_DIMS:      # the unsplit inference forward's pick where its CTAs fill waves
+            out += fused_fwd.launcher_builds(H, HV, K, V, dtype, chunk_beta, h0_dtype, scale, initial_state,
+                                             state_v_first, wide=True)
     return out
 
 

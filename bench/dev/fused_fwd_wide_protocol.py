@@ -63,17 +63,19 @@ def tma(buf, ver, b):
 
 def state_role(NT, h):
     """State warpgroup h: its V half of the state chain, software-pipelined as the kernel."""
-    def vt(c):       # V^T: its columns of v, by plain loads
-        return [rd(f"v{c % NS}", ("V", c))]
+    def vag(c):      # V^T Ag^T: its columns of v, Ag
+        s = c % NS
+        return [rd(f"v{s}", ("V", c)), rd(f"a{s}", ("Ag", c))]
 
     def issue_ws(c):
         s = c % NS
         yield wr(f"sb{h}", c)                                           # bf16(S0^T), its rows
         yield rd(f"sb{h}", c); yield rd(f"k{s}", ("k", c))              # Y issued
         yield rd(f"el{s}", c)                                           # e_L S0^T under it
-        yield rd(f"sb{h}", c); yield rd(f"k{s}", ("k", c))              # wait_wgmma(0): Y complete
-        yield rd(f"e{s}", c)                                            # W^T = V^T - Y D
-        yield rd(f"a{s}", ("Ag", c))                                    # Vd^T = W^T Ag^T issued
+        for op in vag(c):                                               # wait_wgmma(0): V^T Ag^T and Y complete
+            yield op
+        yield rd(f"sb{h}", c); yield rd(f"k{s}", ("k", c))
+        yield rd(f"ae{s}", c)                                           # Y Ae^T issued
 
     def finish(c):
         s = c % NS
@@ -100,20 +102,20 @@ def state_role(NT, h):
         return
     yield wait(bar("full", 0), 0)
     yield wait(bar("prep_done", 0), 0)
-    yield from vt(0)
+    yield from vag(0)
     yield from issue_ws(0)
-    yield rd("a0", ("Ag", 0))                                           # wait_wgmma(0)
+    yield rd("ae0", 0)                                                  # wait_wgmma(0)
     yield arrive(bar("empty_va", 0), 128)
     for c in range(NT - 1):
         s1 = (c + 1) % NS
         yield from finish(c)
         yield wait(bar("full", s1), (c + 1) // NS)
         yield wait(bar("prep_done", s1), (c + 1) // NS)
-        yield from vt(c + 1)                                            # V^T of chunk c + 1 loaded
-        yield from tail_done(c)                                         # wait_wgmma(0)
+        yield from vag(c + 1)                                           # V^T Ag^T of chunk c + 1 issued
+        yield from tail_done(c)                                         # wait_wgmma(1)
         yield from release(c)
         yield from issue_ws(c + 1)
-        yield rd(f"a{s1}", ("Ag", c + 1))                               # wait_wgmma(0)
+        yield rd(f"ae{s1}", c + 1)                                      # wait_wgmma(0)
         yield arrive(bar("empty_va", s1), 128)
     yield from finish(NT - 1)
     yield from tail_done(NT - 1)                                        # wait_wgmma(0)
@@ -121,7 +123,7 @@ def state_role(NT, h):
 
 
 def prep_role(NT, prep_loads=False):
-    """The prep warpgroup: Q K^T, the gates, Ag in place over A, Pg and the row scalars of every chunk."""
+    """The prep warpgroup: Q K^T, the gates, Ag in place over A, Ae, Pg and the row scalars of every chunk."""
     if prep_loads and NT > 0:
         yield tma("q0", ("q", 0), bar("full", 0)); yield tma("k0", ("k", 0), bar("full", 0))
         yield arrive(bar("full", 0), 128)
@@ -135,9 +137,9 @@ def prep_role(NT, prep_loads=False):
         yield wait(bar("pout_empty", s), c // NS - 1)
         yield rd(f"q{s}", ("q", c)); yield rd(f"k{s}", ("k", c))       # Q K^T complete
         yield rd(f"a{s}", ("A", c)); yield rd(f"g{s}", c); yield rd(f"b{s}", c)
-        yield wr(f"a{s}", ("Ag", c)); yield wr(f"pg{s}", c)
+        yield wr(f"a{s}", ("Ag", c)); yield wr(f"ae{s}", c); yield wr(f"pg{s}", c)
         yield rd(f"g{s}", c)
-        yield wr(f"r{s}", c); yield wr(f"e{s}", c); yield wr(f"dq{s}", c); yield wr(f"el{s}", c)
+        yield wr(f"r{s}", c); yield wr(f"dq{s}", c); yield wr(f"el{s}", c)
         if prep_loads and c + 1 < NT:
             # the earlier design: chunk c + 1's q/k before this chunk's prep_done
             s1 = (c + 1) % NS

@@ -88,7 +88,7 @@ def test_wide_builds_compile(kernels):
         assert sorted(int(n) for n in re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src)) == \
             sorted([regs["state"]] * 2 + [regs["prep"], regs["producer"]]), name
         smem = dyn_smem_bytes(host)
-        assert 232448 // 2 < smem <= 232448, (name, smem)          # one CTA per SM
+        assert 210 * 1024 <= smem <= 232448, (name, smem)
         # each state warpgroup syncs its own rows of the S0^T tile (named barriers 2 and 3), the prep warpgroup its
         # zeroed rows (1)
         assert {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), 128\)", src)} == {1, 2, 3}, name

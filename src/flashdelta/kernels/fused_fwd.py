@@ -7,23 +7,20 @@ One CTA walks every chunk of one (sequence, value head, V slice) with the state 
 ``S^T [BV, K]`` so that it is the register A operand of every GEMM that reads it):
 
     Ag  = (A o Gamma) diag(beta)                         state-independent, "prep" warpgroup
+    Ae  = -diag(exp G) (A o beta_j)                      state-independent, "prep"
     Pg  = scale * Gamma o (Q K^T)                        state-independent, "prep"
     Y    = S0^T K^T                                      "state" warpgroup
-    W^T  = V^T - Y D                                     D = diag(exp G), element-wise in registers, "state"
-    Vd^T = W^T Ag^T                                      = (Ag (V - D K S0))^T, "state"
+    Vd^T = V^T Ag^T + Y Ae^T                             = (Ag (V - D K S0))^T, "state"
     O^T  = diag-scaled (S0^T Q^T) + Vd^T Pg^T            "state"
     S1^T = exp(G_last) S0^T + (Vd^T diag(R)) K           "state"
 
-The serial chain S0 -> Y -> W -> Vd -> S1 is three register-A wgmma groups, one element-wise pass and fp32->bf16
-conversions: no shared-memory round trip. V^T reaches the registers in Y's accumulator layout by plain shared loads
-of the (swizzled) v tile, issued under the Y GEMM; forming W before the Ag product (instead of V^T Ag^T + Y Ae^T with
-Ae = -Ag D) saves one 64 x 64 x 64 GEMM a chunk and the Ae tile (its element-wise pass, its 8 KB store and its
-wgmma read). Warp roles (384 threads):
+The serial chain S0 -> Y -> Vd -> S1 is three register-A wgmma groups and fp32->bf16 conversions: no
+shared-memory round trip. Warp roles (384 threads):
 
-- WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's V^T loads run under chunk c's tail,
-  chunk c's o staging under chunk c+1's Vd GEMM), then O^T -> o_shared for the store warp (packed conversion and
-  stmatrix.trans; rows padded).
-- WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile) and the per-row scalars R, exp(G),
+- WG0 "state"   (240 regs): the chain above, software-pipelined (chunk c+1's V^T Ag^T and the S -> bf16
+  conversion run under chunk c's tail, chunk c's o staging under chunk c+1's last Vd GEMM), then O^T -> o_shared
+  for the store warp (packed conversion and stmatrix.trans; rows padded).
+- WG1 "prep"    (224 regs): Q K^T, Gamma, Pg, Ag (in place over the A tile), Ae, and the per-row scalars R,
   scale*exp(G), exp(G_last); runs up to two chunks ahead of WG0 (three product buffers). Branch-free
   element-wise code (`T.Select`).
 - WG2 producer  (40 regs): warp 0 TMA-loads q, k, v, A into a 3-stage ring; warp 2 gathers g, beta into the same
@@ -51,7 +48,6 @@ Timeline: `TABLE` (kernels/timeline.py), one thread per role; bench/dev/timeline
 import math
 
 import tilelang.language as T
-from tilelang import layout
 import torch
 
 from . import _ptx, _tl, item_order, timeline
@@ -75,14 +71,14 @@ TABLE = timeline.Table(
     events={
         "s.full": "wait full (producer/TMA)",
         "s.prep": "wait prep_done (prep WG)",
-        "s.vd_done": "Vd^T = (V^T - Y D) Ag^T complete (S0 -> bf16, Y, e_L scaling on the way)",
+        "s.vd_done": "Vd^T = V^T Ag^T + Y Ae^T complete (S0 -> bf16, Y, e_L scaling on the way)",
         "s.tail": "S1 and O^T of chunk c complete (recorded in chunk c+1's iteration)",
         "s.o_empty": "wait o_empty (store warp)",
         "s.o_staged": "O^T staged in o_s, o_full arrived",
         "p.full": "wait full (producer/TMA), ragged rows zeroed",
         "p.pout": "wait pout_empty (state WG); Q K^T issued, A and gates to registers",
         "p.qk_done": "Q K^T complete",
-        "p.done": "Gamma, Pg, Ag, row scalars stored, prep_done arrived",
+        "p.done": "Gamma, Pg, Ag, Ae, row scalars stored, prep_done arrived",
         "l.empty": "wait empty_va (state WG)",
         "l.qk_slot": "wait empty (state WG); v and A TMA issued",
         "l.issued": "q and k TMA issued, full arrived",
@@ -138,9 +134,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     # tiling config
     NS = NUM_STAGES
     NO = 2                          # o staging buffers
-    # buffers of the prep warpgroup's products: it runs up to two chunks ahead (the full build with its state output
-    # too: its S0^T staging tile fits beside three since the products hold no Ae tile)
-    NP = 3
+    # buffers of the prep warpgroup's products: it runs up to two chunks ahead; the full build with its state output
+    # has room for two only (the S0^T staging tile takes the third's 16 KB of shared memory)
+    NP = 2 if save_states and not states_only else 3
     THREADS = 384
     assert K in (64, 128) and V % BV == 0 and HV % H == 0 
 
@@ -181,7 +177,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
 
     @T.macro
     def finish_chunk(st, pb, s_f, sb_f, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
-        # on entry: Vd^T = W^T Ag^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
+        # on entry: Vd^T = V^T Ag^T + Y Ae^T complete in vd_f, sb_f = bf16(S0^T), s_f = e_L S0^T, no wgmma pending
         if states_only:
             for i, j in T.Parallel(BV, BT):
                 vdr_f[i, j] = T.cast(vd_f[i, j] * r_s[pb, j], dtype)
@@ -237,26 +233,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             T.tma_copy(hs_s[:, w * 64:(w + 1) * 64], hs[T.cast(slot, "int64"), i_hv, v0:v0 + BV, w * 64:(w + 1) * 64])
 
     @T.macro
-    def load_vt(st, v_s, vt_f):
-        # V^T in Y's accumulator layout, by plain loads of the swizzled v tile (a warp's 32 lanes read 4 rows x 8
-        # columns: one wavefront each); issued before the chain needs it, under the GEMMs in flight
-        for i, j in T.Parallel(BV, BT):
-            vt_f[i, j] = v_s[st, j, i]
-
-    @T.macro
-    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s, hs_s, hs, slot, i_hv, v0, tx):
-        # Vd^T = W^T Ag^T with W^T = V^T - Y D, Y = S0^T K^T, D = diag(exp G) (e_s); s_f <- e_L S0^T (S1's first
-        # term) under the Y GEMM. On entry S0^T is in s_f, V^T in vt_f and no wgmma is pending; on exit the Vd GEMM
-        # is. With save_states S0^T (as the GEMMs read it) also goes to hs[slot] (`save_state`, under the Y GEMM).
+    def issue_ws(st, pb, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot, i_hv, v0, tx):
+        # Vd^T += (W S0)^T with W = Ae K, Ae = -diag(exp G) (A o beta_j), as Y = S0^T K^T then Y Ae^T; then
+        # s_f <- e_L S0^T (S1's first term, under the Y GEMM). On entry S0^T is in s_f and at most the V^T Ag^T group
+        # is pending; on exit the Y Ae^T group is pending. With save_states S0^T (as the GEMMs read it) also goes to
+        # hs[slot] (`save_state`, under the Y GEMM).
         T.copy(s_f, sb_f)
         T.wgmma_gemm(sb_f, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)   # Y = S0^T K^T
         if save_states:
             save_state(sb_f, hs_s, hs, slot, i_hv, v0, tx)
         scale_state(s_f, el_s, pb)
         T.wait_wgmma(0)
-        for i, j in T.Parallel(BV, BT):
-            yb_f[i, j] = T.cast(T.cast(vt_f[i, j], acc) - y_f[i, j] * e_s[pb, j], dtype)   # W^T = V^T - Y D
-        T.wgmma_gemm(yb_f, a_s[st, :, :], vd_f, transpose_B=True, clear_accum=True)  # Vd^T = W^T Ag^T
+        T.copy(y_f, yb_f)
+        T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
     def stage_o(pb, o_f, o_s, tx):
@@ -311,27 +300,28 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             T.sync_threads(1, 128)
 
     @T.macro
-    def load_gates(st, g_s, b_s, gi_f, gj_f, bj_f):
-        # gates in the log2 domain (each exp is one ex2): G of this thread's rows and columns, beta of its columns
+    def load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f):
+        # gates in the log2 domain (each exp is one ex2): G of this thread's rows and columns, beta of its columns,
+        # -exp(G) of its rows
         for i in T.Parallel(BT):
             gi_f[i] = g_s[st, i] * LOG2E
+            ei_f[i] = -T.exp2(gi_f[i])
         for j in T.Parallel(BT):
             gj_f[j] = g_s[st, j] * LOG2E
             bj_f[j] = b_s[st, j]
 
     @T.macro
-    def row_scalars(st, pb, ln, g_s, r_s, e_s, dq_s, el_s):
-        # R = exp(G_last - G_t) (0 past the end), exp(G_t), scale * exp(G_t), exp(G_last)
+    def row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s):
+        # R = exp(G_last - G_t) (0 past the end), scale * exp(G_t), exp(G_last)
         for t in T.Parallel(BT):
             r_s[pb, t] = T.Select(t < ln, T.exp2((g_s[st, BT - 1] - g_s[st, t]) * LOG2E), 0.0)
-            e_s[pb, t] = T.exp2(g_s[st, t] * LOG2E)
             dq_s[pb, t] = T.exp2(g_s[st, t] * LOG2E) * scale
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
 
     @T.macro
-    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, pg_s,
-                  r_s, e_s, dq_s, el_s, p_f, a_f, ag_f, pgb_f, ag32_f, gi_f, gj_f, bj_f):
-        # The prep warpgroup, up to NP - 1 chunks ahead of the state warpgroup: Pg, Ag and the row scalars.
+    def prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s,
+                  r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f, ei_f):
+        # The prep warpgroup, up to NP - 1 chunks ahead of the state warpgroup: Pg, Ag, Ae and the row scalars.
         for c in T.serial(NT):
             st = c % NS
             pb = c % NP
@@ -342,7 +332,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             if not states_only:
                 T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
             T.copy(a_s[st, :, :], a_f)
-            load_gates(st, g_s, b_s, gi_f, gj_f, bj_f)
+            load_gates(st, g_s, b_s, gi_f, gj_f, bj_f, ei_f)
             T.barrier_wait(pout_empty[pb], ((c // NP) % 2) ^ 1)
             mark(c, "p.pout")
             T.wait_wgmma(0)
@@ -350,25 +340,29 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             # Branch-free element-wise pass, fp32 results then packed conversions. Gamma is exactly 0 above the
             # diagonal (ex2(-inf)); A o beta needs no mask: A is unit lower triangular with exact zeros above the
             # diagonal (prepare_fwd), its rows past the sequence end were zeroed, and beta = 0 on columns past the
-            # end.
+            # end. Ae's row factor -exp(G_i) is applied here.
             if states_only:
                 for i, j in T.Parallel(BT, BT):
                     gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
                     ab = T.cast(a_f[i, j], acc) * bj_f[j]
                     ag32_f[i, j] = ab * gam
+                    ab32_f[i, j] = ab * ei_f[i]
             else:
                 for i, j in T.Parallel(BT, BT):
                     gam = T.exp2(T.Select(i >= j, gi_f[i] - gj_f[j], -T.infinity(acc)))
                     ab = T.cast(a_f[i, j], acc) * bj_f[j]
                     ag32_f[i, j] = ab * gam
+                    ab32_f[i, j] = ab * ei_f[i]
                     p_f[i, j] = p_f[i, j] * gam * scale
+            T.copy(ab32_f, ab_f)
             T.copy(ag32_f, ag_f)
             if not states_only:
                 T.copy(p_f, pgb_f)
+            T.copy(ab_f, ae_s[pb, :, :])
             T.copy(ag_f, a_s[st, :, :])
             if not states_only:
                 T.copy(pgb_f, pg_s[pb, :, :])
-            row_scalars(st, pb, ln, g_s, r_s, e_s, dq_s, el_s)
+            row_scalars(st, pb, ln, g_s, r_s, dq_s, el_s)
             T.fence_proxy_async()
             T.barrier_arrive(prep_done[pb])
             mark(c, "p.done")
@@ -416,14 +410,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             q_s = None if states_only else T.alloc_shared((NS, BT, K), dtype)
             k_s = T.alloc_shared((NS, BT, K), dtype)
             v_s = T.alloc_shared((NS, BT, BV), dtype)
-            # 128-byte swizzle: the state warpgroup reads V^T from it (`load_vt`), 4 rows x 8 columns a warp
-            T.annotate_layout({v_s: layout.make_full_bank_swizzled_layout(v_s)})
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
+            ae_s = T.alloc_shared((NP, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
             pg_s = None if states_only else T.alloc_shared((NP, BT, BT), dtype)
             r_s = T.alloc_shared((NP, BT), acc)             # exp(G_last - G_t), 0 past the end
-            e_s = T.alloc_shared((NP, BT), acc)             # exp(G_t)
             dq_s = T.alloc_shared((NP, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((NP, 1), acc)             # exp(G_last)
             o_s = None if states_only else T.alloc_shared((NO, BT, O_LD), dtype)    # o staging
@@ -433,7 +425,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             empty = T.alloc_barrier([128] * NS)      # state WG releases the q/k part of a ring slot
             empty_va = T.alloc_barrier([128] * NS)   # state WG releases v/A/g/beta of a slot (after the Vd GEMMs)
             prep_done = T.alloc_barrier([128] * NP)
-            pout_empty = T.alloc_barrier([128] * NP)  # state WG releases pg/r/e/dq
+            pout_empty = T.alloc_barrier([128] * NP)  # state WG releases ae/pg/r/dq
             o_full = T.alloc_barrier([128] * NO)
             o_empty = T.alloc_barrier([32] * NO)     # the store warp
 
@@ -472,8 +464,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     vdb_f = T.alloc_fragment((BV, BT), dtype)
                     o_f = T.alloc_fragment((BV, BT), acc)       # O^T
                     y_f = T.alloc_fragment((BV, BT), acc)       # Y = S0^T K^T
-                    yb_f = T.alloc_fragment((BV, BT), dtype)   # W^T = V^T - Y D
-                    vt_f = T.alloc_fragment((BV, BT), dtype)   # V^T
+                    yb_f = T.alloc_fragment((BV, BT), dtype)
                     mark.start()
                     mark.value(NT)
                     if has_initial_state:
@@ -493,17 +484,17 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         T.clear(s_f)
                     if save_starts:
                         save_start(s_f, starts, slot[i_n], i_hv, v0)
-                    # Software-pipelined: chunk c+1's V^T loads run under chunk c's tail, and chunk c's o staging
-                    # under chunk c+1's Vd GEMM. No wgmma is pending across the loop back-edge and none is issued
+                    # Software-pipelined: chunk c+1's V^T Ag^T runs under chunk c's tail, and chunk c's o staging
+                    # under chunk c+1's Y Ae^T. No wgmma is pending across the loop back-edge and none is issued
                     # conditionally (ptxas would serialize every wgmma).
                     if NT > 0:
                         T.barrier_wait(full[0], 0)
                         mark(0, "s.full")
                         T.barrier_wait(prep_done[0], 0)
                         mark(0, "s.prep")
-                        load_vt(0, v_s, vt_f)
-                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s, hs_s, hs, slot0, i_hv,
-                                 v0, tx)
+                        T.wgmma_gemm(v_s[0, :, :], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
+                                     clear_accum=True)
+                        issue_ws(0, 0, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot0, i_hv, v0, tx)
                         T.wait_wgmma(0)
                         mark(0, "s.vd_done")
                         T.barrier_arrive(empty_va[0])
@@ -516,14 +507,15 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                             mark(c + 1, "s.full")
                             T.barrier_wait(prep_done[pb1], ((c + 1) // NP) % 2)
                             mark(c + 1, "s.prep")
-                            load_vt(st1, v_s, vt_f)
-                            T.wait_wgmma(0)
+                            T.wgmma_gemm(v_s[st1, :, :], a_s[st1, :, :], vd_f, transpose_A=True,
+                                         transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
                             mark(c, "s.tail")
                             if save_starts:
                                 if (c + 1) % every == 0:
                                     save_start(s_f, starts, slot[i_n] + (c + 1) // every, i_hv, v0)
-                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s, hs_s, hs,
-                                     slot0 + c + 1, i_hv, v0, tx)
+                            issue_ws(st1, pb1, s_f, sb_f, vd_f, y_f, yb_f, k_s, ae_s, el_s, hs_s, hs, slot0 + c + 1,
+                                     i_hv, v0, tx)
                             release_and_store_o(c, o_f, o_s, empty, pout_empty, o_empty, o_full, mark, tx)
                             T.wait_wgmma(0)
                             mark(c + 1, "s.vd_done")
@@ -554,15 +546,19 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     # ================= prep warpgroup (state-independent work) =================
                     T.set_max_nreg(224, 1)
                     p_f = T.alloc_fragment((BT, BT), acc)
+                    ab_f = T.alloc_fragment((BT, BT), dtype)
                     a_f = T.alloc_fragment((BT, BT), dtype)
                     ag_f = T.alloc_fragment((BT, BT), dtype)
                     pgb_f = T.alloc_fragment((BT, BT), dtype)
                     ag32_f = T.alloc_fragment((BT, BT), acc)
+                    ab32_f = T.alloc_fragment((BT, BT), acc)
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns
                     gj_f = T.alloc_fragment((BT,), acc)        # G of the columns this thread owns
                     bj_f = T.alloc_fragment((BT,), acc)
-                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, pg_s,
-                              r_s, e_s, dq_s, el_s, p_f, a_f, ag_f, pgb_f, ag32_f, gi_f, gj_f, bj_f)
+                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of the rows of Ae
+                    prep_loop(NT, bos, eos, mark, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                              pg_s, r_s, dq_s, el_s, p_f, a_f, ab_f, ag_f, pgb_f, ag32_f, ab32_f, gi_f, gj_f, bj_f,
+                              ei_f)
                 else:
                     # ================= producer warpgroup =================
                     T.set_max_nreg(40, 0)

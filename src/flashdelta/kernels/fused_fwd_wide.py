@@ -17,8 +17,8 @@ Roles (512 threads; setmaxnreg targets sum to 2 x 192 + 96 + 32 = 512 = 4 x the 
   registers, which spilled at 192. To fit 192 registers bf16(S0^T) lives in a 16 KB shared tile per warpgroup
   (stmatrix, a proxy fence and the warpgroup's own named barrier) instead of a register fragment, so Y = S0^T K^T and
   O^T = S0^T Q^T are SS GEMMs. Each warpgroup stages its O^T half for its own store warp.
-- WG2 "prep" (threads 256-383, 96 regs): Q K^T, Gamma, Pg, Ag (in place over A) and the row scalars, once per
-  chunk for both state warpgroups. Its element-wise pass reads A, G_j and beta_j from the ring slot and writes Ag
+- WG2 "prep" (threads 256-383, 96 regs): Q K^T, Gamma, Pg, Ag (in place over A), Ae and the row scalars, once per
+  chunk for both state warpgroups. Its element-wise pass reads A, G_j and beta_j from the ring slot and writes Ag, Ae
   and Pg as bf16 straight into their shared tiles (no fp32 tiles, no bf16 fragments).
 - WG3 producers (32 regs): warp 0 TMA-loads v, A (then q, k) into a 2-slot ring; warps 1 and 2 store the o rows of
   V half 0 and 1 (16-byte PTX row loop); warp 3 gathers g and beta.
@@ -45,7 +45,6 @@ close to the default build's, not promised bit for bit (bench/dev/ab_fused_fwd.p
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
 import tilelang.language as T
-from tilelang import layout
 
 from . import _ptx, _tl
 
@@ -53,7 +52,7 @@ BT = 64                 # chunk size (the default build's)
 LOG2E = 1.4426950408889634
 HEAD_DIMS = ((128, 128),)
 NS = 2                  # input ring slots (q/k/v/A/g/beta)
-NP = 2                  # prep-product buffers (pg, row scalars)
+NP = 2                  # prep-product buffers (ae, pg, row scalars)
 NO = 2                  # o staging buffers, each holding both V halves
 THREADS = 512
 ST = 256                # state threads: two warpgroups, one 64-row half of S^T each
@@ -77,11 +76,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     BH = V // 2             # value rows of S^T per state warpgroup
 
     @T.macro
-    def issue_ws(st, pb, h, s_f, sb_s, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s):
-        # Vd^T = W^T Ag^T with W^T = V^T - Y D, Y = S0^T K^T (SS: bf16(S0^T) through this warpgroup's tile sb_s by
-        # stmatrix, published to its wgmma by a proxy fence and its own named barrier; the previous chunk's O GEMM,
-        # the tile's last reader, has completed), D = diag(exp G) (e_s); s_f <- e_L S0^T under the Y GEMM. On entry
-        # V^T is in vt_f and no wgmma is pending; on exit the Vd GEMM is.
+    def issue_ws(st, pb, h, s_f, sb_s, vd_f, y_f, yb_f, k_s, ae_s, el_s):
+        # Vd^T += Y Ae^T with Y = S0^T K^T (SS: bf16(S0^T) through this warpgroup's tile sb_s by stmatrix, published
+        # to its wgmma by a proxy fence and its own named barrier; the previous chunk's O GEMM, the tile's last
+        # reader, has completed), then s_f <- e_L S0^T under the Y GEMM. On entry at most the V^T Ag^T group is
+        # pending; on exit the Y Ae^T group is.
         T.copy(s_f, sb_s)
         T.fence_proxy_async()
         T.sync_threads(2 + h, 128)
@@ -90,16 +89,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         for i, j in T.Parallel(BH, K):
             s_f[i, j] = s_f[i, j] * el
         T.wait_wgmma(0)
-        for i, j in T.Parallel(BH, BT):
-            yb_f[i, j] = T.cast(T.cast(vt_f[i, j], acc) - y_f[i, j] * e_s[pb, j], dtype)   # W^T = V^T - Y D
-        T.wgmma_gemm(yb_f, a_s[st, :, :], vd_f, transpose_B=True, clear_accum=True)  # Vd^T = W^T Ag^T
-
-    @T.macro
-    def load_vt(st, v0, v_s, vt_f):
-        # this warpgroup's V^T half in Y's accumulator layout, by plain loads of the swizzled v tile (one wavefront
-        # each), issued under the GEMMs in flight
-        for i, j in T.Parallel(BH, BT):
-            vt_f[i, j] = v_s[st, j, v0 + i]
+        T.copy(y_f, yb_f)
+        T.wgmma_gemm(yb_f, ae_s[pb, :, :], vd_f, transpose_B=True)                   # Vd^T += Y Ae^T
 
     @T.macro
     def finish_chunk(st, pb, h, s_f, sb_s, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s):
@@ -126,14 +117,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         T.barrier_arrive(o_full[(c % NO) * 2 + h])
 
     @T.macro
-    def state_wg(h, i_n, cu_seqlens, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty, o_full, q_s,
-                 k_s, v_s, a_s, e_s, pg_s, r_s, dq_s, el_s, o_s, sb_s, tx):
+    def state_wg(h, NT, n64, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty, o_full, q_s, k_s,
+                 v_s, a_s, ae_s, pg_s, r_s, dq_s, el_s, o_s, sb_s, tx):
         # state warpgroup h: value rows [64 h, 64 h + 64) of S^T (fp32 registers) through the default build's state
-        # chain, software-pipelined the same way (chunk c+1's V^T loads under chunk c's tail; no wgmma pending across
+        # chain, software-pipelined the same way (chunk c+1's V^T Ag^T under chunk c's tail; no wgmma pending across
         # the back-edge). Chunk c's o staging precedes chunk c+1's Y GEMM, so O^T is not live beside Y.
         T.set_max_nreg(REGS["state"], 1)
-        NT = T.ceildiv(cu_seqlens[i_n + 1] - cu_seqlens[i_n], BT)
-        n64 = T.cast(i_n, "int64")
         v0 = h * BH
         s_f = T.alloc_fragment((BH, K), acc)        # S^T
         vd_f = T.alloc_fragment((BH, BT), acc)      # Vd^T
@@ -141,8 +130,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         vdb_f = T.alloc_fragment((BH, BT), dtype)
         o_f = T.alloc_fragment((BH, BT), acc)       # O^T
         y_f = T.alloc_fragment((BH, BT), acc)       # Y = S0^T K^T
-        yb_f = T.alloc_fragment((BH, BT), dtype)   # W^T = V^T - Y D
-        vt_f = T.alloc_fragment((BH, BT), dtype)   # V^T
+        yb_f = T.alloc_fragment((BH, BT), dtype)
         if has_initial_state:
             if state_v_first:
                 for i, j in T.Parallel(BH, K):
@@ -155,8 +143,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         if NT > 0:
             T.barrier_wait(full[0], 0)
             T.barrier_wait(prep_done[0], 0)
-            load_vt(0, v0, v_s, vt_f)
-            issue_ws(0, 0, h, s_f, sb_s, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s)
+            T.wgmma_gemm(v_s[0, :, v0:v0 + BH], a_s[0, :, :], vd_f, transpose_A=True, transpose_B=True,
+                         clear_accum=True)
+            issue_ws(0, 0, h, s_f, sb_s, vd_f, y_f, yb_f, k_s, ae_s, el_s)
             T.wait_wgmma(0)
             T.barrier_arrive(empty_va[0])
             for c in T.serial(NT - 1):
@@ -165,10 +154,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                 finish_chunk(c % NS, c % NP, h, s_f, sb_s, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s)
                 T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
                 T.barrier_wait(prep_done[pb1], ((c + 1) // NP) % 2)
-                load_vt(st1, v0, v_s, vt_f)
-                T.wait_wgmma(0)
+                T.wgmma_gemm(v_s[st1, :, v0:v0 + BH], a_s[st1, :, :], vd_f, transpose_A=True, transpose_B=True,
+                             clear_accum=True)
+                T.wait_wgmma(1)
                 release_and_store_o(c, h, o_f, o_s, empty, pout_empty, o_empty, o_full, tx)
-                issue_ws(st1, pb1, h, s_f, sb_s, vd_f, y_f, yb_f, vt_f, k_s, a_s, e_s, el_s)
+                issue_ws(st1, pb1, h, s_f, sb_s, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                 T.wait_wgmma(0)
                 T.barrier_arrive(empty_va[st1])
             finish_chunk((NT - 1) % NS, (NT - 1) % NP, h, s_f, sb_s, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s,
@@ -201,8 +191,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             T.sync_threads(1, 128)
 
     @T.macro
-    def prep_chunk(c, bos, eos, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, pg_s, r_s, e_s, dq_s,
-                   el_s, p_f, gi_f):
+    def prep_chunk(c, bos, eos, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s, pg_s, r_s, dq_s,
+                   el_s, p_f, gi_f, ei_f):
         st = c % NS
         pb = c % NP
         ln = T.min(eos - (bos + c * BT), BT)
@@ -210,6 +200,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)   # P = Q K^T
         for i in T.Parallel(BT):
             gi_f[i] = g_s[st, i] * LOG2E
+            ei_f[i] = -T.exp2(gi_f[i])
         T.barrier_wait(pout_empty[pb], ((c // NP) % 2) ^ 1)
         T.wait_wgmma(0)
         # Branch-free element-wise pass straight to the bf16 tiles (as the default build's, which rounds the same
@@ -220,11 +211,11 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             gam = T.exp2(T.Select(i >= j, gi_f[i] - g_s[st, j] * LOG2E, -T.infinity(acc)))
             ab = T.cast(a_s[st, i, j], acc) * b_s[st, j]
             a_s[st, i, j] = T.cast(ab * gam, dtype)
+            ae_s[pb, i, j] = T.cast(ab * ei_f[i], dtype)
             pg_s[pb, i, j] = T.cast(p_f[i, j] * gam * scale, dtype)
-        # R = exp(G_last - G_t) (0 past the end), exp(G_t), scale * exp(G_t), exp(G_last)
+        # R = exp(G_last - G_t) (0 past the end), scale * exp(G_t), exp(G_last)
         for t in T.Parallel(BT):
             r_s[pb, t] = T.Select(t < ln, T.exp2((g_s[st, BT - 1] - g_s[st, t]) * LOG2E), 0.0)
-            e_s[pb, t] = T.exp2(g_s[st, t] * LOG2E)
             dq_s[pb, t] = T.exp2(g_s[st, t] * LOG2E) * scale
         el_s[pb, 0] = T.exp2(g_s[st, BT - 1] * LOG2E)
         T.fence_proxy_async()
@@ -254,14 +245,12 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             q_s = T.alloc_shared((NS, BT, K), dtype)
             k_s = T.alloc_shared((NS, BT, K), dtype)
             v_s = T.alloc_shared((NS, BT, V), dtype)
-            # 128-byte swizzle: the state warpgroups read V^T from it (`load_vt`), 4 rows x 8 columns a warp
-            T.annotate_layout({v_s: layout.make_full_bank_swizzled_layout(v_s)})
             a_s = T.alloc_shared((NS, BT, BT), dtype)      # A, then Ag in place
             g_s = T.alloc_shared((NS, BT), acc)
             b_s = T.alloc_shared((NS, BT), acc)
+            ae_s = T.alloc_shared((NP, BT, BT), dtype)      # Ae = -diag(exp G) (A o beta_j)
             pg_s = T.alloc_shared((NP, BT, BT), dtype)
             r_s = T.alloc_shared((NP, BT), acc)             # exp(G_last - G_t), 0 past the end
-            e_s = T.alloc_shared((NP, BT), acc)             # exp(G_t)
             dq_s = T.alloc_shared((NP, BT), acc)            # scale * exp(G_t)
             el_s = T.alloc_shared((NP, 1), acc)             # exp(G_last)
             o_s = T.alloc_shared((NO, BT, O_LD), dtype)     # o staging, V halves side by side
@@ -273,7 +262,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
             empty = T.alloc_barrier([ST] * NS)            # state WGs release the q/k part of a ring slot
             empty_va = T.alloc_barrier([ST] * NS)         # state WGs release v/A/g/beta (after the Vd GEMMs)
             prep_done = T.alloc_barrier([128] * NP)
-            pout_empty = T.alloc_barrier([ST] * NP)       # state WGs release pg/r/e/dq/el
+            pout_empty = T.alloc_barrier([ST] * NP)       # state WGs release ae/pg/r/dq/el
             o_full = T.alloc_barrier([128] * (2 * NO))    # [buffer * 2 + V half]: that half's state WG
             o_empty = T.alloc_barrier([32] * (2 * NO))    # that half's store warp
 
@@ -291,32 +280,30 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                         for u in T.vectorized(VEC):
                             o[0, T.cast(row, "int64"), i_hv, (e % per_row) * VEC + u] = T.cast(0, dtype)
             else:
-                # every role reads its sequence's span after its setmaxnreg: values live across it would have to fit
-                # the producers' 32 registers (a 4-byte spill there when the span was read before the branch)
+                bos = cu_seqlens[i_n]
+                eos = cu_seqlens[i_n + 1]
+                NT = T.ceildiv(eos - bos, BT)
+                n64 = T.cast(i_n, "int64")
+
                 if tx < 128:
                     # ================= state warpgroups, one V half each =================
-                    state_wg(0, i_n, cu_seqlens, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty,
-                             o_full, q_s, k_s, v_s, a_s, e_s, pg_s, r_s, dq_s, el_s, o_s, sb0_s, tx)
+                    state_wg(0, NT, n64, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty, o_full,
+                             q_s, k_s, v_s, a_s, ae_s, pg_s, r_s, dq_s, el_s, o_s, sb0_s, tx)
                 elif tx < ST:
-                    state_wg(1, i_n, cu_seqlens, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty,
-                             o_full, q_s, k_s, v_s, a_s, e_s, pg_s, r_s, dq_s, el_s, o_s, sb1_s, tx)
+                    state_wg(1, NT, n64, i_hv, h0, ht, full, prep_done, empty, empty_va, pout_empty, o_empty, o_full,
+                             q_s, k_s, v_s, a_s, ae_s, pg_s, r_s, dq_s, el_s, o_s, sb1_s, tx)
                 elif tx < ST + 128:
                     # ================= prep warpgroup: each chunk's K-side products, once for all of V =========
                     T.set_max_nreg(REGS["prep"], 0)
-                    bos = cu_seqlens[i_n]
-                    eos = cu_seqlens[i_n + 1]
-                    NT = T.ceildiv(eos - bos, BT)
                     p_f = T.alloc_fragment((BT, BT), acc)
                     gi_f = T.alloc_fragment((BT,), acc)        # G of the rows this thread owns (log2 domain)
+                    ei_f = T.alloc_fragment((BT,), acc)        # -exp(G) of those rows
                     for c in T.serial(NT):
-                        prep_chunk(c, bos, eos, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, pg_s,
-                                   r_s, e_s, dq_s, el_s, p_f, gi_f)
+                        prep_chunk(c, bos, eos, full, pout_empty, prep_done, q_s, k_s, v_s, a_s, g_s, b_s, ae_s,
+                                   pg_s, r_s, dq_s, el_s, p_f, gi_f, ei_f)
                 else:
                     # ================= producer warps =================
                     T.set_max_nreg(REGS["producer"], 0)
-                    bos = cu_seqlens[i_n]
-                    eos = cu_seqlens[i_n + 1]
-                    NT = T.ceildiv(eos - bos, BT)
                     if tx < ST + 160:
                         # load warp: v and A once the slot's v/A part is free, q and k once all of it is
                         for c in T.serial(NT):

@@ -29,7 +29,7 @@ NS = 2      # ring slots, prep buffers, o buffers
 
 def counts(prep_loads: bool = False) -> dict:
     """Arrivals per phase, as the kernel's T.alloc_barrier gives them (per slot; o_* per V half and buffer)."""
-    c = dict(full=64, empty=256, empty_va=256, prep_done=128, pout_empty=256, o_full=128, o_empty=32, turn=256)
+    c = dict(full=64, empty=256, empty_va=256, prep_done=128, pout_empty=256, o_full=128, o_empty=32)
     if prep_loads:
         c["full"] = 64 + 128        # the prep warpgroup's arrival after its q/k loads
     return c
@@ -70,9 +70,7 @@ def state_role(NT, h):
     def issue_ws(c):
         s = c % NS
         yield wr(f"sb{h}", c)                                           # bf16(S0^T), its rows
-        yield arrive(bar("turn", h), 128); yield wait(bar("turn", h), c)   # its turn (bar.sync TURN + h, 256)
         yield rd(f"sb{h}", c); yield rd(f"k{s}", ("k", c))              # Y issued
-        yield arrive(bar("turn", 1 - h), 128)                           # the other's turn (bar.arrive)
         yield rd(f"el{s}", c)                                           # e_L S0^T under it
         for op in vag(c):                                               # wait_wgmma(0): V^T Ag^T and Y complete
             yield op
@@ -100,11 +98,7 @@ def state_role(NT, h):
         yield wr(f"o{h}{s}", c)
         yield arrive(bar("o_full", s, h), 128)
 
-    if h == 1:
-        yield arrive(bar("turn", 0), 128)                               # warpgroup 0 takes the first turn
     if NT == 0:
-        if h == 0:
-            yield arrive(bar("turn", 0), 128); yield wait(bar("turn", 0), 0)
         return
     yield wait(bar("full", 0), 0)
     yield wait(bar("prep_done", 0), 0)
@@ -126,8 +120,6 @@ def state_role(NT, h):
     yield from finish(NT - 1)
     yield from tail_done(NT - 1)                                        # wait_wgmma(0)
     yield from release(NT - 1)
-    if h == 0:
-        yield arrive(bar("turn", 0), 128); yield wait(bar("turn", 0), NT)  # warpgroup 1's last turn handed back
 
 
 def prep_role(NT, prep_loads=False):

@@ -33,11 +33,6 @@ Barriers (slot s = c % 2, parity (c // 2) % 2; producers wait the "empty" side w
 | pout_empty[2]  | 256            | state WGs after the chunk           | prep WG            |
 | o_full[2 x 2]  | 128            | state WG h                          | store warp h       |
 | o_empty[2 x 2] | 32             | store warp h                        | state WG h         |
-| named TURN + h | 256 (bar.sync)  | the other state WG (bar.arrive)     | state WG h         |
-
-The two state warpgroups issue their Y GEMMs in turn (FlashAttention-3's ping-pong): warpgroup h syncs on named
-barrier TURN + h before its Y GEMM and arrives on the other's after issuing it; warpgroup 1 pre-arrives on warpgroup
-0's barrier and warpgroup 0 takes the last hand-back after its walk, so every phase completes.
 
 The loads are the producer warps' alone: no role that a state warpgroup waits on waits, before its arrival, for a
 slot that the state warpgroups free only later (the hang of an earlier two-state-warpgroup design, whose prep
@@ -63,7 +58,6 @@ THREADS = 512
 ST = 256                # state threads: two warpgroups, one 64-row half of S^T each
 # setmaxnreg targets: 2 x state + prep + producers <= 4 x 128 (the launch's registers per thread slot)
 REGS = {"state": 192, "prep": 96, "producer": 32}
-TURN = 4                # named barriers TURN, TURN + 1: the state warpgroups' Y GEMM turns (1: prep, 2, 3: S0^T tiles)
 
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS)
@@ -90,11 +84,7 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         T.copy(s_f, sb_s)
         T.fence_proxy_async()
         T.sync_threads(2 + h, 128)
-        # ping-pong: the warpgroups issue their Y GEMMs in turn (named barriers TURN + h), so that one's element-wise
-        # work runs under the other's GEMMs instead of both waiting on the tensor cores at once
-        T.sync_threads(TURN + h, ST)
         T.wgmma_gemm(sb_s, k_s[st, :, :], y_f, transpose_B=True, clear_accum=True)
-        T.named_barrier_arrive(TURN + 1 - h, ST)
         el = el_s[pb, 0]
         for i, j in T.Parallel(BH, K):
             s_f[i, j] = s_f[i, j] * el
@@ -150,8 +140,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                     s_f[i, j] = T.cast(h0[n64, i_hv, j, v0 + i], acc)
         else:
             T.clear(s_f)
-        if h == 1:
-            T.named_barrier_arrive(TURN, ST)        # warpgroup 0 takes the first turn
         if NT > 0:
             T.barrier_wait(full[0], 0)
             T.barrier_wait(prep_done[0], 0)
@@ -177,8 +165,6 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                          dq_s)
             T.wait_wgmma(0)
             release_and_store_o(NT - 1, h, o_f, o_s, empty, pout_empty, o_empty, o_full, tx)
-        if h == 0:
-            T.sync_threads(TURN, ST)                # warpgroup 1's last turn handed back (one per walk, NT >= 0)
         if state_v_first:
             for i, j in T.Parallel(BH, K):
                 ht[n64, i_hv, v0 + i, j] = s_f[i, j]

@@ -329,8 +329,9 @@ def chunk_gated_delta_rule(
     _no_forward_ad("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, A_log, dt_bias)
     need_bwd = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-    cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None, cu_host)
-    if not need_bwd and _wide_forward(cp_code, q, B, T, K, HV, V, N, cu_host):
+    lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None   # once: both decisions read it
+    cp_code = _context_parallel(cp_request, q, B, T, K, HV, V, N, cu_seqlens is not None, lengths)
+    if not need_bwd and _wide_forward(cp_code, q, B, T, K, HV, V, N, lengths):
         cp_code = cp.with_wide(cp_code)
     # the in-kernel gate and beta activation are stage prepare_fwd's options (docs/stages.md)
     o, final_state = forward(q, k, v, g, beta, initial_state, cu_seqlens, scale,
@@ -340,32 +341,30 @@ def chunk_gated_delta_rule(
 
 
 def _context_parallel(request, q: Tensor, B: int, T: int, K: int, HV: int, V: int, N: int, varlen: bool,
-                      cu_host: Optional[Tensor]) -> int:
+                      lengths: Optional[list]) -> int:
     """The forward's CP code (`cp.decide`) from the request (`cp.parse_request`: the argument or FLASHDELTA_CP) and
-    host information only."""
+    host information only (`lengths`: the varlen input's host lengths; None: dense)."""
     if request == "off" or (request == "auto" and q.device.type != "cuda"):
         return 0
     if torch.compiler.is_compiling():      # settled inside the op, on concrete shapes (`cp.resolve_code`)
         return cp.decide(request, kset=None, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V,
                          varlen=varlen, N=N, traced=True)
     kset = dispatch.plan(q.device, K, V, q.dtype, need_bwd=False).kset("chunk_fwd")
-    lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
     return cp.decide(request, kset=kset, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, varlen=varlen,
                      N=N, lengths=lengths)
 
 
 def _wide_forward(cp_code: int, q: Tensor, B: int, T: int, K: int, HV: int, V: int, N: int,
-                  cu_host: Optional[Tensor]) -> bool:
+                  lengths: Optional[list]) -> bool:
     """Whether an unsplit inference forward runs the wide build (one CTA per (sequence, value head)): on the SM90
-    kernels, from the host lengths (cu_host, or B sequences of T tokens), where `cp_model.wide_pays` predicts it
+    kernels, from the host lengths (`lengths`, or B sequences of T tokens), where `cp_model.wide_pays` predicts it
     faster. Decided on the host only: a traced call (torch.compile) runs the default build."""
     if q.device.type != "cuda" or torch.compiler.is_compiling() or cp_code < 0 or cp.decode(cp_code)[0]:
         return False
     if dispatch.plan(q.device, K, V, q.dtype, need_bwd=False).kset("chunk_fwd").name != "sm90":
         return False
-    lengths = (cu_host[1:] - cu_host[:-1]).tolist() if cu_host is not None else None
     return cp.wide_pays(T=B * T, N=N, HV=HV, K=K, V=V, sms=cp.num_sms(q.device), lengths=lengths,
-                              seq_len=None if cu_host is not None else T)
+                        seq_len=None if lengths is not None else T)
 
 
 chunk_gdn = chunk_gated_delta_rule

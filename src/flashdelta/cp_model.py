@@ -66,7 +66,7 @@ LAUNCH_US = 5.2                 # per fused launch, fixed
 WIDE_CHUNK_FACTOR = 2.0
 WIDE_ITEM_US = 3.5
 WIDE_MARGIN = 0.95
-WIDE_HEAD_DIMS = ((128, 128),)  # kernels.fused_fwd_wide.HEAD_DIMS (tests/cpu/test_cp_model.py checks they agree)
+WIDE_HEAD_DIMS = ((128, 128),)  # kernels.fused_fwd_wide.HEAD_DIMS (tests/cpu/test_wide_pick.py checks they agree)
 # The scans' constants are the predictions written before they ran. The scan kernel measured 13.56 us + 3.333 us a
 # step (2/8 and 4/16 1x32768, L = 32 and 64: bench/results/h200/2026-12-01_af450ef_fit_cp_fwd.txt; ~3.3 a step
 # since); those values move 18 of the benchmark grids' 144 rows (forward and backward) to partition lengths no run

@@ -47,7 +47,8 @@ def forward_builds(heads: Iterable[tuple], *, head_dim: tuple, dtype: torch.dtyp
                    dt_bias_dtype: Optional[torch.dtype] = None, beta_act: int = 0) -> list:
     """(label, builder, args) of every kernel the SM90 forward launches for these (H, HV) pairs: the q/k
     normalisation (with qk_l2norm), each build `prepare_fwd` may pick, and the fused kernel with and without an
-    initial state in each state layout (at K = V = 128 also its wide builds, `cp_model.wide_pays`). beta_dtype / h0_dtype as the forward passes them (`KERNELS.param_dtype`).
+    initial state in each state layout (at K = V = 128 also its wide builds, `cp_model.wide_pays`). beta_dtype /
+    h0_dtype as the forward passes them (`KERNELS.param_dtype`).
     num_sms: the target GPU's SM count (the persistent prepare kernel's grid; None: this machine's GPU, else 132).
     g_dtype, a_log_dtype, dt_bias_dtype, beta_act: `prepare_fwd`'s in-kernel gate and beta activation
     (`prepare.launcher_builds`: an A_log dtype makes g the raw gate in g_dtype, fp32 otherwise; dt_bias None: no

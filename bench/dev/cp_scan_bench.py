@@ -14,7 +14,8 @@ flushes). Every provider is checked against `scan_serial` before timing.
     TILELANG_CACHE_DIR=.cache/tl-ship python3 bench/dev/cp_scan_bench.py --precompile     # on the CPU machine
 
 --variant NAME=PATH adds a copy of kernels/cp_scan.py (not committed; its own `choose_bv`) as the provider
-``NAME-only`` (offsets precomputed), timed interleaved with the shipped kernel and checked like it.
+``NAME-only`` (offsets precomputed), timed interleaved with the shipped kernel and checked like it. --same-m gives
+every slot the same M, so a timing probe that loads M once (what a multicast of M would save) still checks.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def parse_heads(s: str) -> tuple:
     return int(h), int(hv)
 
 
-def inputs(B: int, J: int, HV: int, seed: int = 0) -> tuple:
+def inputs(B: int, J: int, HV: int, seed: int = 0, same_m: bool = False) -> tuple:
     from flashdelta import cp
 
     T = J * L * 64
@@ -49,6 +50,8 @@ def inputs(B: int, J: int, HV: int, seed: int = 0) -> tuple:
     P = plan.P
     G = torch.randn(P, HV, K, K, device="cuda", generator=gen)
     M = 0.9 * torch.eye(K, device="cuda") + 0.1 * G / K ** 0.5
+    if same_m:      # every slot's M the first one's (a probe variant that loads M once is then still correct)
+        M = M[:1].expand_as(M)
     E = torch.randn(P, HV, K, V, device="cuda", generator=gen)
     h0 = torch.randn(B, HV, K, V, device="cuda", generator=gen)
     return plan, M.contiguous(), E, h0
@@ -106,7 +109,7 @@ def run(args) -> int:
         for hh in args.heads:
             _, HV = parse_heads(hh)
             for J in args.J:
-                plan, M, E, h0 = inputs(args.batch, J, HV)
+                plan, M, E, h0 = inputs(args.batch, J, HV, same_m=args.same_m)
                 fns = providers(plan, M, E, h0, pas == "bwd", variants)
                 errs = check(fns)
                 runners = {n: timing.make_runner(fn, stream=stream) for n, fn in fns.items()}
@@ -163,6 +166,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--precompile", action="store_true", help="compile the scan builds (no GPU) and exit")
     ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernels/cp_scan.py copy")
+    ap.add_argument("--same-m", action="store_true", help="every slot's M equal (for probes that load M once)")
     args = ap.parse_args()
     if args.precompile:
         return precompile(args)

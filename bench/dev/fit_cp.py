@@ -515,11 +515,18 @@ def bwd_main(args):
                   f"{cp.choose_bwd(**kwb)}) {us['fb_auto']:9.1f}  "
                   + "  ".join(f"L{L} {t:9.1f}" for L, t in fbt.items()), flush=True)
             ser = cp.predict_bwd(L=1, **kwb)
+
+            def recompute_model(L):       # state_recompute as the model prices it (`predict_bwd` without saved states)
+                return cp_model.RECOMPUTE_FACTOR * cp_model._pass_us([(c, n * HV * 2) for c, n in _items(seqlens, L)],
+                                                                    sms)
+            # the model's `states` is the saving forward's extra time where the states are saved (the default), and
+            # its `start` the F pass under the warm-up where that runs: each printed beside what it models
             print(f"{'':>17}  chunk_bwd serial {us['bwd_pass_serial']:.1f} (model {ser['serial_bwd']:.1f}), "
-                  f"recompute serial {us['states_serial']:.1f} (model {ser['serial_states']:.1f}); "
+                  f"recompute serial {us['states_serial']:.1f} (model {recompute_model(0):.1f}; states saved: "
+                  f"{ser['states_saved']}, saving {ser['serial_states']:.1f}); "
                   + ", ".join(f"L{L}: pass {us.get(f'bwd_pass_L{L}', float('nan')):.1f} (model {pred[L]['bwd']:.1f}) "
-                              f"recompute {us.get(f'states_L{L}', float('nan')):.1f} (model {pred[L]['states']:.1f}) "
-                              f"dstate {us.get(f'dstate_L{L}', float('nan')):.1f} (model {pred[L]['start']:.1f}) "
+                              f"recompute {us.get(f'states_L{L}', float('nan')):.1f} (model {recompute_model(L):.1f}) "
+                              f"start {pred[L]['start']:.1f} "
                               f"bwd model {pred[L]['cp']:.1f} vs serial {pred[L]['serial']:.1f}" for L in plans),
                   flush=True)
             del inp, runners, steps, h_serial, plans, gwins

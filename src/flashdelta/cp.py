@@ -53,13 +53,14 @@ transposed at the boundary.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import cp_model
+from . import cp_model, streams
 from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ_CHUNKS,  # noqa: F401 - re-exported
                        MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
                        choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold, wide_pays)
@@ -824,7 +825,9 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     F the reverse scan never reads; with the warm-up over each head's window, `grad_windows`, whose heads' M is then
     zeroed); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those gives the
     gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each sequence's
-    first partition, its dh0. No host synchronisation.
+    first partition, its dh0. chunk_dstate needs neither M nor the start states: on a CUDA device it runs on the side
+    stream (`streams.fork`) beside the M pass (and the E pass, scan and recompute), joined before the reverse scan.
+    No host synchronisation.
 
     `starts` (``[P, HV, K, V]``, the start state of every partition of `plan`, K-first: the training forward's
     `chunk_fwd(partition_starts=...)` output where the forward ran unsplit) replaces the E pass and the forward scan;
@@ -843,6 +846,12 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
     win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
+    # F depends on neither the start states nor M: chunk_dstate runs on the side stream beside the M pass (and the
+    # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle
+    side = streams.fork(q.device)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
+                          take=win.take)
     if starts is None and states is None:
         M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd)
         h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
@@ -866,8 +875,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         h_seqs = None
     else:
         h, h_seqs = states, plan.seq
-    Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
-                      take=win.take)
+    streams.join(side)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd

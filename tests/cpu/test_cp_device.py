@@ -285,6 +285,15 @@ def test_cp_backward_equals_serial(case, L, use_ht, fwd_split, monkeypatch):
         assert_close(name, a, b, tol=2e-6)
 
 
+def test_side_stream_is_cuda_only():
+    """`streams.fork` hands out a side stream on CUDA devices only; off CUDA the backward runs chunk_dstate inline
+    (the tests above) and `join` of None does nothing."""
+    from flashdelta import streams
+
+    assert streams.fork(torch.device("cpu")) is None
+    streams.join(None)
+
+
 @pytest.mark.parametrize("fwd_split", [True, False], ids=["fwd_split", "fwd_serial"])
 def test_boundary_states_are_fp32_on_a_bf16_call(fwd_split, monkeypatch):
     """On a bf16 call (the portable path) every boundary state stays fp32 (FlashQLA keeps them in bf16): M, E, the
@@ -316,8 +325,10 @@ def test_boundary_states_are_fp32_on_a_bf16_call(fwd_split, monkeypatch):
     calls = [] if fwd_split else split_backward_only(monkeypatch)
     got = _grads(x, L, True)
     f32 = torch.float32
-    want = [("scan_states", f32, f32, f32, f32)] * (2 if fwd_split else 0) + [("F", f32)] + \
-        [("scan_grads", f32, f32, f32, f32)]
+    # the forward's scan, then the backward's F (chunk_dstate runs first: beside the M pass on a GPU), its scan of
+    # the start states and its reverse scan
+    scan = [("scan_states", f32, f32, f32, f32)] if fwd_split else []
+    want = scan + [("F", f32)] + scan + [("scan_grads", f32, f32, f32, f32)]
     assert seen == want, seen
     assert fwd_split or (len(calls) == 1 and calls[0][1].dtype == f32), "the saved start states"
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == f32

@@ -637,6 +637,33 @@ def test_cp_backward_matches_recurrence_and_serial(i, mode, monkeypatch):
             assert torch.all(got[n][:, -case.pad:] == 0), f"{GRAD_NAMES[n]} on the padding tail must be 0"
 
 
+SIDE_CASES = [(BWD_CASES[0][0], 4), (Case("cp-bwd-side-warm", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11,
+                                             gate="bench"), 4)]
+
+
+@pytest.mark.parametrize("mode", ["fwd_split", "fwd_serial"])
+@pytest.mark.parametrize("i", range(len(SIDE_CASES)), ids=[c.name for c, _ in SIDE_CASES])
+def test_side_stream_backward_equals_one_stream(i, mode, monkeypatch):
+    """chunk_dstate on the side stream beside the M pass (`streams.fork` in `cp.cp_chunk_bwd`) gives the gradients
+    of the same backward on one stream bit for bit (the same kernels on disjoint outputs; a missing join would let
+    the reverse scan read F before chunk_dstate wrote it), exact and with the warm-up's windows."""
+    from flashdelta import streams
+
+    case, L = SIDE_CASES[i]
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    if mode == "fwd_serial":
+        split_backward_only(monkeypatch)
+    x, do, dht = _bwd_inputs(case, with_dht=True)
+    forks, fork = [], streams.fork
+    monkeypatch.setattr(streams, "fork", lambda device: forks.append(fork(device)) or forks[-1])
+    _, side = _cp_grads(x, L, do, dht)
+    assert forks and all(s is not None for s in forks), "the backward forks the side stream"
+    monkeypatch.setattr(streams, "fork", lambda device: None)
+    _, one = _cp_grads(x, L, do, dht)
+    for n in one:
+        assert torch.equal(side[n], one[n]), f"{GRAD_NAMES[n]}: side stream vs one stream"
+
+
 AUTO_BWD = Case("cp-auto-bwd", (8192,), H=16, HV=32, K=128, V=128)
 
 

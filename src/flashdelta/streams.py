@@ -1,0 +1,37 @@
+"""Two independent launches at once: a side stream per CUDA device for work that does not depend on what the
+current stream runs next (context parallelism's backward runs chunk_dstate there beside its M pass, `cp.cp_chunk_bwd`).
+
+`fork(device)` makes the side stream wait for the current one and returns it (None off CUDA: the caller runs the work
+inline); work enqueued under ``torch.cuda.stream(side)`` then runs beside the current stream's, and `join(side)` makes
+the current stream wait for it before anything reads its results. Both are events on the device, no host
+synchronisation, so CUDA-graph capture records the fork and the join as graph edges.
+
+Memory: a tensor allocated under the side stream returns to that stream's pool when freed, and the side stream only
+takes new work after a `fork`, which orders it after everything the current stream had enqueued, including the reads
+of that tensor; so no `record_stream` is needed as long as the side stream is used through `fork` alone.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_SIDE: dict = {}        # CUDA device index -> its side stream, made at first use
+
+
+def fork(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """The side stream of `device`, waiting for the current stream's work so far; None where `device` is not CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE.get(index)
+    if side is None:
+        side = _SIDE[index] = torch.cuda.Stream(device=index)
+    side.wait_stream(torch.cuda.current_stream(index))
+    return side
+
+
+def join(side: Optional[torch.cuda.Stream]) -> None:
+    """The current stream waits for the work enqueued on `side` (from `fork`; None: nothing to wait for)."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)

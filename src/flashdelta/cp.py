@@ -845,37 +845,41 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
+    if starts is not None and states is None and tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
+        raise ValueError(f"starts: [P, HV, K, V] = {[plan.P, v.shape[2], k.shape[-1], v.shape[-1]]} for this plan, "
+                         f"got {list(starts.shape)}")
     win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
     # F depends on neither the start states nor M: chunk_dstate runs on the side stream beside the M pass (and the
     # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle
     side = streams.fork(q.device)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
-                          take=win.take)
-    if starts is None and states is None:
-        M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale, chunk_fwd=fks.chunk_fwd)
-        h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
-        scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
-        H = scan_states(M, E, plan, h0, scan)
-        del E
-        if thr is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
-            M.masked_fill_(~win.fallback[:, :, None, None], 0)
-    else:
-        if states is None and tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
-            raise ValueError(f"starts: [P, HV, K, V] = {[plan.P, v.shape[2], k.shape[-1], v.shape[-1]]} for this "
-                             f"plan, got {list(starts.shape)}")
-        H = starts
-        skip = torch.where(win.fallback, 0, SKIP_ALL).to(torch.int32)
-        M = _transitions(q, k, v.new_empty(1, v.shape[1], v.shape[2], k.shape[-1]), g_cumsum, _as_param(beta, fks),
-                         A, plan, win.fallback, skip, scale=scale, chunk_fwd=fks.chunk_fwd, state_dtype=sd)
-        scan = scan or ("kernel" if _kernel_scan(M, fks) else None)
-    b = _as_param(beta, bks)
-    if states is None:
-        h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
-        h_seqs = None
-    else:
-        h, h_seqs = states, plan.seq
-    streams.join(side)
+    try:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
+                              take=win.take)
+        if starts is None and states is None:
+            M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale,
+                             chunk_fwd=fks.chunk_fwd)
+            h0 = None if initial_state is None else tr(initial_state).to(E.dtype)
+            scan = scan or ("kernel" if _kernel_scan(E, fks) else None)
+            H = scan_states(M, E, plan, h0, scan)
+            del E
+            if thr is not None:     # a warm-up head's end gradient of the partition before is its window's F alone
+                M.masked_fill_(~win.fallback[:, :, None, None], 0)
+        else:
+            H = starts
+            skip = torch.where(win.fallback, 0, SKIP_ALL).to(torch.int32)
+            zeros = v.new_empty(1, v.shape[1], v.shape[2], k.shape[-1])      # the M pass's values: never read
+            M = _transitions(q, k, zeros, g_cumsum, _as_param(beta, fks), A, plan, win.fallback, skip, scale=scale,
+                             chunk_fwd=fks.chunk_fwd, state_dtype=sd)
+            scan = scan or ("kernel" if _kernel_scan(M, fks) else None)
+        b = _as_param(beta, bks)
+        if states is None:
+            h = bks.state_recompute(k, v, g_cumsum, b, A, _as_param(H, bks), plan.cu, state_v_first=False)
+            h_seqs = None
+        else:
+            h, h_seqs = states, plan.seq
+    finally:     # also on an error: nothing the side stream reads may be freed under it
+        streams.join(side)
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd

@@ -773,3 +773,15 @@ def test_cost_model_with_the_backward_warmup():
     assert cp.cp_model._first_parts([5, 0, 64, 200], 64) == {64: 2, 8: 1}
     # the default follows FLASHDELTA_CP_WARMUP at bf16 (auto: on)
     assert cp.choose_bwd(**row) == Lw
+
+
+def test_cp_chunk_bwd_rejects_starts_of_another_plan():
+    """Start states whose shape is not the plan's ``[P, HV, K, V]`` raise a ValueError naming `starts`, before any
+    pass runs."""
+    case, L, _ = BWD_STAGE_CASES[0]
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup="off")
+    bad = torch.zeros(plan.P + 1, case.HV, case.K, case.V, dtype=F64)
+    with pytest.raises(ValueError, match="starts"):
+        cp.cp_chunk_bwd(q, k, v, g_cumsum, beta, A, None, _do(v), None, cu, scale=0.25, backends=_backends(),
+                        plan=plan, starts=bad)

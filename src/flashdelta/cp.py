@@ -53,7 +53,6 @@ transposed at the boundary.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import NamedTuple, Optional
@@ -853,7 +852,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle
     side = streams.fork(q.device)
     try:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with streams.on(side):
             Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
                               take=win.take)
         if starts is None and states is None:

@@ -1,8 +1,8 @@
 """Two independent launches at once: a side stream per CUDA device for work that does not depend on what the
 current stream runs next (context parallelism's backward runs chunk_dstate there beside its M pass, `cp.cp_chunk_bwd`).
 
-`fork(device)` makes the side stream wait for the current one and returns it (None off CUDA: the caller runs the work
-inline); work enqueued under ``torch.cuda.stream(side)`` then runs beside the current stream's, and `join(side)` makes
+`fork(device)` makes the side stream wait for the current one and returns it (None off CUDA: the work runs inline);
+work enqueued under ``on(side)`` then runs beside the current stream's, and `join(side)` makes
 the current stream wait for it before anything reads its results. Both are events on the device, no host
 synchronisation, so CUDA-graph capture records the fork and the join as graph edges.
 
@@ -12,6 +12,7 @@ of that tensor; so no `record_stream` is needed as long as the side stream is us
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -35,3 +36,8 @@ def join(side: Optional[torch.cuda.Stream]) -> None:
     """The current stream waits for the work enqueued on `side` (from `fork`; None: nothing to wait for)."""
     if side is not None:
         torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def on(side: Optional[torch.cuda.Stream]):
+    """A context in which work is enqueued on `side` (from `fork`; None: on the current stream, as off CUDA)."""
+    return contextlib.nullcontext() if side is None else torch.cuda.stream(side)

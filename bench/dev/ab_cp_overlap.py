@@ -1,8 +1,10 @@
-"""A/B of the CP backward's side stream (`flashdelta.streams`: chunk_dstate beside the M pass in `cp.cp_chunk_bwd`)
-against the same backward with everything on one stream (`streams.fork` patched to return None while that variant's
-CUDA graph is captured), on the benchmark's inputs through the public API (`cu_seqlens_cpu` given, so the CP decision
-is the benchmark's): CUDA-graph medians of one backward interleaved in one process, and whether the gradients are
-bitwise equal (they should be: the same kernels on disjoint outputs).
+"""A/B of the CP backward's side stream (`flashdelta.streams` in `cp.cp_chunk_bwd`: chunk_dstate beside the M pass,
+and the zero fill of chunk_bwd's GVA-2 dq and dk): ``serial``, everything on one stream (`streams.fork` patched to
+return None while that variant's CUDA graph is captured); ``side``, chunk_dstate on the side stream but the fill in
+chunk_bwd's launcher (`cp._dqk_buffers` patched to return None); ``fill``, the shipped code. On the benchmark's inputs
+through the public API (`cu_seqlens_cpu` given, so the CP decision is the benchmark's): CUDA-graph medians of one
+backward interleaved in one process, and whether the gradients are bitwise equal (they should be: the same kernels on
+disjoint outputs).
 
     source .device/bootstrap.sh; python3 bench/dev/ab_cp_overlap.py [--rows 2/4:1x8192 ...]
 
@@ -29,29 +31,32 @@ def main() -> int:
     from ab_chunk_bwd import row_inputs
     from profile_bwd import backward_fn
 
-    from flashdelta import streams
+    from flashdelta import cp, streams
 
-    fork = streams.fork
+    fork, buffers = streams.fork, cp._dqk_buffers
+    variants = {"serial": (lambda device: None, buffers), "side": (fork, lambda *a: None), "fill": (fork, buffers)}
     stream = torch.cuda.Stream()
-    print(f"{'heads':>6} {'seqlens':>40} {'serial ms':>10} {'side ms':>10} {'side/serial':>12}  gradients", flush=True)
+    print(f"{'heads':>6} {'seqlens':>40} {'serial ms':>10} {'side ms':>10} {'fill ms':>10} {'fill/side':>10} "
+          f"{'fill/serial':>12}  gradients", flush=True)
     for row in a.rows:
         hh, sl, inp = row_inputs(row, requires_grad=True)
         with torch.cuda.stream(stream):
             run = backward_fn(inp, l2norm=False)
         runners, outs = {}, {}
-        for name, patched in (("serial", lambda device: None), ("side", fork)):
-            streams.fork = patched
+        for name, (f, b) in variants.items():
+            streams.fork, cp._dqk_buffers = f, b
             try:
                 with torch.cuda.stream(stream):
                     outs[name] = [x.clone() for x in run()]
                 stream.synchronize()
                 runners[name] = timing.make_runner(run, stream=stream, allow_eager=False)
             finally:
-                streams.fork = fork
+                streams.fork, cp._dqk_buffers = fork, buffers
         t = timing.time_runners(runners, stream=stream, flush=None)
-        same = all(torch.equal(x, y) for x, y in zip(outs["serial"], outs["side"]))
-        s, o = t["serial"].ms, t["side"].ms
-        print(f"{hh:>6} {sl:>40} {s:10.4f} {o:10.4f} {o / s:12.3f}  {'bitwise' if same else 'DIFFER'}", flush=True)
+        same = all(torch.equal(x, y) for v in ("side", "fill") for x, y in zip(outs["serial"], outs[v]))
+        s, d, f = t["serial"].ms, t["side"].ms, t["fill"].ms
+        print(f"{hh:>6} {sl:>40} {s:10.4f} {d:10.4f} {f:10.4f} {f / d:10.3f} {f / s:12.3f}  "
+              f"{'bitwise' if same else 'DIFFER'}", flush=True)
         del runners, outs, run, inp
         torch.cuda.empty_cache()
     return 0

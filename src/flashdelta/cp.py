@@ -804,6 +804,21 @@ def _start_grads(chunk_dstate, q, k, g_cumsum, beta, A, do, plan: CPPlan, *, sca
     return chunk_dstate(q, k, g_cumsum, beta, A, do, plan.cu, scale=scale, chunk_take=take)
 
 
+def _dqk_buffers(q: Tensor, HV: int, kset) -> Optional[tuple]:
+    """Uninitialised dq and dk (``[1, T, H, K]`` in q's dtype, on the current stream) where the SM90 chunk_bwd adds each
+    key head's two value heads into zeroed buffers (`kernels.chunk_bwd.group_add`: 67 MB at 16/32 and 8192 tokens),
+    for the caller to zero beside other work and hand to chunk_bwd as ``dqk``; None elsewhere (the launcher allocates
+    its own outputs)."""
+    if not _sm90(q, kset):
+        return None
+    from .kernels import chunk_bwd  # noqa: PLC0415 - TileLang only where the kernel runs
+
+    if not chunk_bwd.group_add(q.shape[2], HV):
+        return None
+    return torch.empty((1, *q.shape[1:]), dtype=q.dtype, device=q.device), \
+        torch.empty((1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+
+
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
                  starts: Optional[Tensor] = None, states: Optional[Tensor] = None):
@@ -825,7 +840,8 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     zeroed); the reverse scan (`scan_grads`) gives every partition's end gradient; chunk_bwd from those gives the
     gradients (partitions are chunk-aligned, so each chunk sees exactly its serial dS and S) and, on each sequence's
     first partition, its dh0. chunk_dstate needs neither M nor the start states: on a CUDA device it runs on the side
-    stream (`streams.fork`) beside the M pass (and the E pass, scan and recompute), joined before the reverse scan.
+    stream (`streams.fork`) beside the M pass (and the E pass, scan and recompute), joined before the reverse scan,
+    and so does the zero fill of dq and dk where the SM90 chunk_bwd adds into them (`_dqk_buffers`).
     No host synchronisation.
 
     `starts` (``[P, HV, K, V]``, the start state of every partition of `plan`, K-first: the training forward's
@@ -849,12 +865,17 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
                          f"got {list(starts.shape)}")
     win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
     # F depends on neither the start states nor M: chunk_dstate runs on the side stream beside the M pass (and the
-    # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle
+    # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle; the zero fill of
+    # chunk_bwd's dq and dk goes there too (bandwidth beside compute-bound passes, off the chain). They are allocated
+    # on the current stream, before the fork: their blocks stay in its pool, and the fill waits for its earlier work
+    dqk = _dqk_buffers(q, v.shape[2], bks)
     side = streams.fork(q.device)
     try:
         with streams.on(side):
             Fp = _start_grads(dks.chunk_dstate, q, k, g_cumsum, _as_param(beta, dks), A, do, plan, scale=scale,
                               take=win.take)
+            for t in dqk or ():
+                t.zero_()
         if starts is None and states is None:
             M, E = summaries(q, k, v, g_cumsum, _as_param(beta, fks), A, plan, scale=scale,
                              chunk_fwd=fks.chunk_fwd)
@@ -882,8 +903,9 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     dT = None if dht is None else tr(dht).to(M.dtype)
     dS = scan_grads(M, Fp.to(M.dtype), plan, dT, scan)
     del M, H, Fp                                                  # only dS goes on: less memory under chunk_bwd
+    extra = {} if dqk is None else {"dqk": dqk}
     dq, dk, dv, dbeta, dG, dh0p = bks.chunk_bwd(q, k, v, g_cumsum, b, A, h, do, dS, plan.cu, scale=scale,
-                                                state_v_first=False, h_seqs=h_seqs)
+                                                state_v_first=False, h_seqs=h_seqs, **extra)
     dh0 = dh0p.index_select(0, plan.first_index)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()

@@ -162,6 +162,32 @@ def test_chunk_bwd_deterministic(case):
     assert all(torch.equal(s, t) for s, t in zip(a, b))
 
 
+@pytest.mark.parametrize("case", [c for c in cases.BWD_DET_CASES if cb.group_add(c.H, c.HV)], ids=str)
+def test_chunk_bwd_into_given_buffers(case):
+    """`dqk` (context parallelism's backward zeroes dq and dk on its side stream): chunk_bwd adds into the given
+    zeroed buffers, returns them, and the gradients equal those of its own zero fill bit for bit; a pair of the wrong
+    shape, dtype or layout, or one given where the kernel writes dq and dk per value head, is refused."""
+    x = _inputs(case)
+    want = _run(case, x)
+    h = slot_states(x["h"], x["cu_seqlens"], x["q"].shape[1], case.state_v_first, case.dtype)
+    args = (x["q"], x["k"], x["v"], x["g_cumsum"], x["beta"], x["A"], h, x["do"], x["dht"], x["cu_seqlens"])
+    kw = dict(scale=x["scale"], state_v_first=case.state_v_first)
+    dq, dk = torch.zeros_like(want[0]), torch.zeros_like(want[1])
+    got = cb.chunk_bwd(*args, **kw, dqk=(dq, dk))
+    assert got[0] is dq and got[1] is dk, "chunk_bwd returns the buffers it was given"
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    bad = [((dq[:, 1:].contiguous(), dk), ValueError), ((dq.float(), dk), ValueError),
+           ((dq.transpose(2, 3).contiguous().transpose(2, 3), dk), ValueError), ((dq, None), TypeError),
+           (dq, TypeError)]
+    for dqk, err in bad:
+        with pytest.raises(err, match="dqk"):
+            cb.chunk_bwd(*args, **kw, dqk=dqk)
+    q1 = x["q"].repeat_interleave(2, dim=2)          # one key head per value head: per-value-head outputs
+    with pytest.raises(ValueError, match="dqk"):
+        cb.chunk_bwd(q1, x["k"].repeat_interleave(2, dim=2), *args[2:], **kw,
+                     dqk=(torch.zeros_like(q1), torch.zeros_like(q1)))
+
+
 def _sm90_chain(q, k, v, g, beta, h0, do, dht, cu, scale):
     """The SM90 backward's stages on flat inputs: prepare, state recompute, chunk_bwd (dq, dk per value head)."""
     from flashdelta.kernels import fused_fwd, prepare

@@ -753,8 +753,24 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dt
             for has_dht in dht for vfirst in state_v_first for hs in h_seqs]
 
 
+def _check_dqk(dqk, q, HV: int):
+    """`chunk_bwd`'s ``dqk``: two contiguous ``[1, T, H, K]`` tensors in q's dtype on its device, given only where the
+    kernel adds into zeroed dq and dk (`group_add`)."""
+    _, T_, H, K = q.shape
+    if not group_add(H, HV):
+        raise ValueError(f"dqk: chunk_bwd adds into zeroed dq and dk only at HV = 2 H (got H={H}, HV={HV}); pass None")
+    if not (isinstance(dqk, (tuple, list)) and len(dqk) == 2):
+        raise TypeError(f"dqk: a (dq, dk) pair of tensors (zero-filled), got {type(dqk).__name__}")
+    for name, t in zip(("dq", "dk"), dqk):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"dqk: {name} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (1, T_, H, K) or t.dtype != q.dtype or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"dqk: {name} must be a contiguous [1, T, H, K] = {[1, T_, H, K]} {q.dtype} tensor on "
+                             f"{q.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+
+
 def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, state_v_first=False, chunk_size=64,
-              h_seqs=None):
+              h_seqs=None, dqk=None):
     """Fused backward (docs/stages.md `chunk_bwd`).
 
     Args:
@@ -767,12 +783,15 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
             partition) of sequence ``h_seqs[n]`` of the cu_seqlens h was made over.
         dht: gradient of the final state, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first) fp32, or None.
         cu_seqlens: ``[N + 1]`` int32 (int64 is converted on the device).
+        dqk: None, or where `group_add` the zero-filled ``(dq, dk)`` ``[1, T, H, K]`` in q's dtype to add into,
+            filled by the caller ahead of the launch (context parallelism's backward zeroes them on its side stream
+            beside earlier work); returned as dq and dk.
 
     Returns:
         ``dq, dk [1, T, HV, K]`` in q's dtype (per value head; ``[1, T, H, K]``, summed over each key head's two value
         heads, where `group_add`), ``dv [1, T, HV, V]`` in v's dtype, ``dbeta, dG [1, T, HV]`` fp32, ``dh0`` fp32 in
         the state layout; 0 on the padding tail. One launch of (N + 1) * HV CTAs (after a zero fill of dq and dk
-        where `group_add`); no host synchronisation.
+        where `group_add` and no ``dqk`` is given); no host synchronisation.
     """
     _, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -782,7 +801,10 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale, stat
     assert g_cumsum.dtype == torch.float32 and h.dtype == q.dtype and h.shape[1:] == (HV, V, K)
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if group_add(H, HV):       # the kernel adds both value heads' tiles into a zeroed tile
+    if dqk is not None:
+        _check_dqk(dqk, q, HV)
+        dq, dk = dqk
+    elif group_add(H, HV):     # the kernel adds both value heads' tiles into a zeroed tile
         dq = torch.zeros((1, T_, H, K), dtype=q.dtype, device=dev)
         dk = torch.zeros((1, T_, H, K), dtype=q.dtype, device=dev)
     else:

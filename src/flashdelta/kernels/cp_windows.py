@@ -15,14 +15,16 @@ summed from j = 0 on; a slot that continues its sequence (not ``first``) reaches
 ``[cu[p], cu[p + 1])``: ``take = j + 1``, else ``TAKE_ALL`` and ``fallback``; other slots ``take = 0``. The sums add
 one float64 addition after the other from 0 (the order of torch's cumsum over a non-innermost dim), on every slot.
 
-One CTA per (slot, key head) of `THREADS` threads, for the key head's HV // H value heads: the gates of `LT` chunks
-at a time staged in shared memory, one thread per value head adding them in order; then (slots that decide only) the
-partition's tokens in tiles of ``TILE // K`` tokens, the next tile's loads issued before the current one is checked
-(one tile in flight, so a partition costs one load round trip per tile: 256 tokens a tile at K = 128 on 512 threads,
-where 128 on 256 threads took ~24 us at 2/8 1x32768, 16 round trips of a 2048-token partition):
-the squared key norms in fp32 (k read once, coalesced; their sum order and fast-math rounding may differ from
-torch's `vector_norm` in the last bits, so a product within a few ulps of the limit may decide differently), the
-products ``beta ||k||^2`` in beta's promotion with fp32 (float64 for float64 beta) and a shared flag per value head.
+One CTA per (slot, key head) for the key head's HV // H value heads: the gates of `LT` chunks at a time staged in
+shared memory, one thread per value head adding them in order; then (slots that decide only) the partition's tokens
+in tiles of `TB` tokens, k's and beta's rows of a tile brought into shared memory by a TMA pipeline of `NS` stages
+(TileLang's warp-specialised `T.Pipelined`: a producer warpgroup issues the loads, `THREADS` consumers check), so
+NS - 1 tiles are in flight while one is checked. Loading one tile ahead into registers instead, a 2048-token partition
+cost one load round trip per tile (~20 us at 2/8 1x32768, where the CTAs are few: 2 key heads x 16 slots). The
+checks: the squared key norms in fp32 (k read once; their sum order and fast-math rounding may differ from torch's
+`vector_norm` in the last bits, so a product within a few ulps of the limit may decide differently), the products
+``beta ||k||^2`` in beta's promotion with fp32 (float64 for float64 beta) and a shared flag per value head. Rows past
+T come in as zeros from the TMA and rows past the partition's tokens are not checked.
 The torch code (`cp.windows`, `cp.grad_windows`) stays the exact path and the portable one.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.
@@ -32,9 +34,11 @@ import torch
 from . import _tl
 
 BT = 64
-THREADS = 512
+THREADS = 512             # the consumers; the TMA pipeline adds a producer warpgroup
 LT = 64                    # chunks per staging tile of the suffix sums
-TILE = 32768               # key elements per contraction tile (its tokens: TILE // K)
+TB = 256                   # tokens per contraction tile (k: 64 KB at K = 128)
+NS = 3                     # TMA pipeline stages of k's tiles (beta's tiles: three ahead in registers)
+MAX_G = 8                  # value heads per key head (beta in registers: up to 4 values a tile and thread)
 SKIP_ALL = 1 << 30         # `cp.SKIP_ALL` and `cp.TAKE_ALL`
 K_DTYPES = (torch.bfloat16, torch.float16)
 BETA_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -47,11 +51,36 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
     """The kernel (`backward`: `cp.grad_windows`'s, else `cp.windows`'s); T (tokens), P (slots) and L (chunks per
     partition) are dynamic."""
     G = HV // H
-    TB = TILE // K
+    TBK = TB if K <= 128 else TB // 2           # tokens a tile: k's part is at most 64 KB
     CD = F64 if beta_dtype == F64 else F32      # beta x ||k||^2 as torch promotes it
     T_ = T.dynamic("T")
     P_ = T.dynamic("P")
     L_ = T.dynamic("L")
+
+    @T.macro
+    def load_beta(beta, dst, bos, tile, n_tok):
+        # beta's rows of tile `tile` for this key head's value heads (0 past the partition's tokens)
+        kh = T.get_block_binding(1)
+        for i, h in T.Parallel(TBK, G):
+            dst[i, h] = T.if_then_else(tile * TBK + i < n_tok, beta[T.min(bos + tile * TBK + i, T_ - 1), kh * G + h],
+                                       T.cast(0, beta_dtype))
+
+    @T.macro
+    def check_tile(beta, b0, b1, b2, b3, ns, bad, bos, it, n_tok, limit):
+        # tile it's condition into bad[h]: its beta shifted into b0, tile it + 3's loads issued into b3
+        T.copy(b1, b0)
+        T.copy(b2, b1)
+        T.copy(b3, b2)
+        load_beta(beta, b3, bos, it + 3, n_tok)
+        for i, h in T.Parallel(TBK, G):
+            if it * TBK + i < n_tok:
+                if keys_normalized:
+                    if not ((T.cast(b0[i, h], F64) >= 0.0) & (T.cast(b0[i, h], F64) <= limit)):
+                        bad[h] = 1
+                else:
+                    if not ((T.cast(b0[i, h], CD) * T.cast(ns[i], CD) >= T.cast(0.0, CD))
+                            & (T.cast(b0[i, h], CD) * T.cast(ns[i], CD) <= T.cast(limit, CD))):
+                        bad[h] = 1
 
     @T.prim_func
     def cp_windows_kernel(
@@ -71,12 +100,14 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
             tx = T.get_thread_binding()
             gs = T.alloc_shared((LT, G), F32)
             bad = T.alloc_shared((G,), I32)
-            ns = T.alloc_shared((TB,), F32)
-            kr = T.alloc_fragment((TB, K), dtype)
-            br = T.alloc_fragment((TB, G), beta_dtype)
-            bc = T.alloc_fragment((TB, G), beta_dtype)
-            sq = T.alloc_fragment((TB, K), F32)
-            ss = T.alloc_fragment((TB,), F32)
+            ns = T.alloc_shared((TBK,), F32)
+            ks = T.alloc_shared((TBK, K), dtype)
+            b0 = T.alloc_fragment((TBK, G), beta_dtype)        # beta of tiles it .. it + 3
+            b1 = T.alloc_fragment((TBK, G), beta_dtype)
+            b2 = T.alloc_fragment((TBK, G), beta_dtype)
+            b3 = T.alloc_fragment((TBK, G), beta_dtype)
+            sq = T.alloc_fragment((TBK, K), F32)
+            ss = T.alloc_fragment((TBK,), F32)
             run = T.alloc_local((1,), F64)
             hit = T.alloc_local((1,), I32)
             W = L_ * BT
@@ -110,39 +141,25 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
                         if hit[0] == L_ and run[0] <= threshold:
                             hit[0] = jt * LT + j
                 T.sync_threads()
-            # tile it + 1's loads are issued before tile it is reduced and checked (registers, one tile ahead)
-            if not keys_normalized:
-                for i, j in T.Parallel(TB, K):
-                    kr[i, j] = T.if_then_else(i < n_tok, k[T.min(bos + i, T_ - 1), kh, j], T.cast(0, dtype))
-            for i, h in T.Parallel(TB, G):
-                br[i, h] = T.if_then_else(i < n_tok, beta[T.min(bos + i, T_ - 1), kh * G + h], T.cast(0, beta_dtype))
-            for it in T.serial(T.ceildiv(n_tok, TB)):
-                t1 = bos + (it + 1) * TB
-                if not keys_normalized:
-                    for i, j in T.Parallel(TB, K):
-                        sq[i, j] = T.cast(kr[i, j], F32) * T.cast(kr[i, j], F32)
-                    for i, j in T.Parallel(TB, K):
-                        kr[i, j] = T.if_then_else((it + 1) * TB + i < n_tok, k[T.min(t1 + i, T_ - 1), kh, j],
-                                                  T.cast(0, dtype))
+            # the partition's tokens, tile by tile: k through the TMA pipeline (zeros past T), beta's few values a
+            # thread three tiles ahead in registers (its rows of G values are too narrow for a TMA box); rows past n_tok
+            # are not checked
+            load_beta(beta, b1, bos, 0, n_tok)
+            load_beta(beta, b2, bos, 1, n_tok)
+            load_beta(beta, b3, bos, 2, n_tok)
+            if keys_normalized:
+                for it in T.serial(T.ceildiv(n_tok, TBK)):
+                    check_tile(beta, b0, b1, b2, b3, ns, bad, bos, it, n_tok, limit)
+                    T.sync_threads()
+            else:
+                for it in T.Pipelined(T.ceildiv(n_tok, TBK), num_stages=NS):
+                    T.copy(k[bos + it * TBK:bos + it * TBK + TBK, kh, :], ks)
+                    for i, j in T.Parallel(TBK, K):
+                        sq[i, j] = T.cast(ks[i, j], F32) * T.cast(ks[i, j], F32)
                     T.reduce_sum(sq, ss, dim=1)
-                    for i in T.Parallel(TB):
+                    for i in T.Parallel(TBK):
                         ns[i] = ss[i]
-                for i, h in T.Parallel(TB, G):
-                    bc[i, h] = br[i, h]
-                for i, h in T.Parallel(TB, G):
-                    br[i, h] = T.if_then_else((it + 1) * TB + i < n_tok, beta[T.min(t1 + i, T_ - 1), kh * G + h],
-                                              T.cast(0, beta_dtype))
-                T.sync_threads()
-                for i, h in T.Parallel(TB, G):
-                    if it * TB + i < n_tok:
-                        if keys_normalized:
-                            if not ((T.cast(bc[i, h], F64) >= 0.0) & (T.cast(bc[i, h], F64) <= limit)):
-                                bad[h] = 1
-                        else:
-                            if not ((T.cast(bc[i, h], CD) * T.cast(ns[i], CD) >= T.cast(0.0, CD))
-                                    & (T.cast(bc[i, h], CD) * T.cast(ns[i], CD) <= T.cast(limit, CD))):
-                                bad[h] = 1
-                T.sync_threads()
+                    check_tile(beta, b0, b1, b2, b3, ns, bad, bos, it, n_tok, limit)
             T.sync_threads()
             if tx < G:
                 reach = live & (hit[0] < L_) & (bad[tx] == 0)
@@ -159,8 +176,8 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
 
 def unsupported(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype) -> "str | None":
     """Why the kernel does not take these heads / dtypes (None: it does)."""
-    if HV % H or HV // H > THREADS:
-        return f"HV={HV}, H={H}: value heads per key head must divide and be <= {THREADS}"
+    if HV % H or HV // H > MAX_G:
+        return f"HV={HV}, H={H}: value heads per key head must divide and be <= {MAX_G}"
     if K not in HEAD_DIMS:
         return f"K={K} not in {HEAD_DIMS}"
     if k_dtype not in K_DTYPES:

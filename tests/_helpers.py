@@ -84,6 +84,14 @@ def random_lengths(n: int, choices, seed: int) -> tuple:
     return tuple(rng.choice(choices) for _ in range(n))
 
 
+def at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a contiguous view that starts one element into a larger buffer (not 16-byte aligned)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def make_inputs(case: Case, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, requires_grad: bool = False):
     """Inputs for `chunk_gated_delta_rule` as a dict of keyword arguments (q, k l2-normalised)."""
     gen = torch.Generator().manual_seed(seed)

@@ -38,7 +38,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from . import cp, dispatch
 from .cp_model import ENV_SAVE_STATES, save_states_enabled
 from .gates import beta_activation_bwd, gdn_gate_bwd
-from .stages import KernelSet
+from .stages import KernelSet, aligned
 
 
 def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -49,22 +49,16 @@ def _state_shape(N: int, HV: int, K: int, V: int, state_v_first: bool) -> tuple:
     return (N, HV, V, K) if state_v_first else (N, HV, K, V)
 
 
-def _aligned(x: Tensor) -> Tensor:
-    """x, or a copy of it where its data does not start on a 16-byte boundary (a view at an odd offset into a larger
-    buffer): the kernels load through TMA descriptors and 16-byte vector loads, which take 16-byte-aligned bases."""
-    return x if x.data_ptr() % 16 == 0 else x.clone()
-
-
 def _flat(x: Tensor) -> Tensor:
     """[B, T, ...] -> [1, B*T, ...], contiguous and 16-byte aligned."""
-    return _aligned(x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous())
+    return aligned(x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous())
 
 
 def _cu(q: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     if cu_seqlens is None:
         B, T = q.shape[:2]
         return torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-    return _aligned(cu_seqlens.to(torch.int32).contiguous())
+    return aligned(cu_seqlens.to(torch.int32).contiguous())
 
 
 def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
@@ -72,7 +66,7 @@ def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
     kernels) goes in as float32, the precision they compute in."""
     if x is None:
         return None
-    return _aligned(x.to(kset.param_dtype(x.dtype)).contiguous())
+    return aligned(x.to(kset.param_dtype(x.dtype)).contiguous())
 
 
 def _gate_dtype(q: Tensor) -> torch.dtype:
@@ -322,7 +316,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             l2norm = plan.fn("l2norm_fwd")
             (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
-    dht = _aligned(dht.to(_gate_dtype(q)).contiguous()) if dht is not None else None
+    dht = aligned(dht.to(_gate_dtype(q)).contiguous()) if dht is not None else None
     if g_cumsum is None or A is None:
         g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     else:

@@ -29,6 +29,8 @@ sequence starts):
   head per key head. dv in v's dtype or
   fp32; dbeta and dG fp32 (float64 for float64 inputs).
 - h (the state entering each chunk) is private to a backend: `COUPLED` stages come from the same backend.
+- Every tensor a stage takes is contiguous and starts on a 16-byte boundary (`aligned`): the native kernels load
+  through TMA descriptors and 16-byte vector loads.
 """
 from __future__ import annotations
 
@@ -36,6 +38,12 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it where its data does not start on a 16-byte boundary (a contiguous view at an odd offset
+    into a larger buffer): what the native kernels' TMA descriptors and 16-byte vector loads take."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
 
 STAGES = ("l2norm_fwd", "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum",
           "prepare_bwd")

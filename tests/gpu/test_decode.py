@@ -22,7 +22,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_close
+from _helpers import assert_close, at_odd_offset
 
 import flashdelta
 from flashdelta import UnsupportedError, dispatch, recurrent
@@ -195,6 +195,19 @@ def test_decode_matches_reference(case, lanes, spy, monkeypatch):
             h0 = x.get("initial_state")
             want = h0[empty].float() if h0 is not None else torch.zeros_like(ht[empty])
             assert torch.equal(ht[empty], want), "an empty sequence's final state is its initial state"
+
+
+def test_misaligned_inputs(spy):
+    """Every tensor input as a view at an odd offset (contiguous, not 16-byte aligned): o and the final state equal
+    the aligned call's bitwise, on the kernel path."""
+    case = DecodeCase("odd", B=3, T=2, gate="bias", beta_act=1)
+    x = make(case, "cuda")
+    odd = {n: at_odd_offset(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in x.items()}
+    assert all(t.data_ptr() % 16 for t in odd.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+    for a, b in zip(flashdelta.fused_recurrent_gated_delta_rule(**x),
+                    flashdelta.fused_recurrent_gated_delta_rule(**odd)):
+        assert torch.equal(a, b)
+    assert len(spy) == 2
 
 
 def test_one_call_of_T_tokens_is_T_decode_steps(spy):

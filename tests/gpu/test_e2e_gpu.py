@@ -3,7 +3,7 @@
 auto-dispatched backward."""
 import pytest
 import torch
-from _helpers import Case, assert_close, make_inputs
+from _helpers import Case, assert_close, at_odd_offset, make_inputs
 from cases import (E2E_BWD, E2E_CASES, E2E_GATE_FLOOR, E2E_GRAPH, E2E_L2NORM, E2E_ORDER, E2E_OTHER_SCALE,
                    E2E_PAIRS, E2E_SAVED_STATES, E2E_SCALE_FP64)
 
@@ -90,14 +90,6 @@ def test_sm90_forward_is_deterministic_and_graph_capturable(monkeypatch):
     assert torch.equal(o_g, o3) and torch.equal(ht_g, ht3)
 
 
-def _at_odd_offset(t):
-    """t's values in a contiguous view that starts one element into a larger buffer (not 16-byte aligned)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = buf[1:].view(t.shape)
-    out.copy_(t)
-    return out
-
-
 def test_sm90_misaligned_inputs(monkeypatch):
     """Every tensor input as a view at an odd offset (contiguous, not 16-byte aligned): the forward and every gradient
     equal the aligned run's bitwise."""
@@ -106,9 +98,9 @@ def test_sm90_misaligned_inputs(monkeypatch):
     names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if x[n] is not None]
     gen = torch.Generator(device="cuda").manual_seed(5)
     runs = []
-    for move in (lambda t: t.clone(), _at_odd_offset):
+    for move in (lambda t: t.clone(), at_odd_offset):
         y = dict(x, **{n: move(x[n]).requires_grad_(True) for n in names})
-        assert move is not _at_odd_offset or all(y[n].data_ptr() % 16 for n in names)
+        assert move is not at_odd_offset or all(y[n].data_ptr() % 16 for n in names)
         o, ht = chunk_gated_delta_rule(**y, output_final_state=True)
         gen.manual_seed(5)
         do = torch.randn(o.shape, generator=gen, device="cuda").bfloat16()

@@ -44,6 +44,7 @@ from typing import Optional
 import tilelang.language as T
 import torch
 
+from ..stages import aligned
 from . import _tl
 
 F32 = "float32"
@@ -340,11 +341,11 @@ def launcher_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, *, beta
 
 
 def _input(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """An input as the kernel takes it: contiguous; a dtype outside `DTYPES` (float64) as fp32, the precision the
-    kernel computes in."""
+    """An input as the kernel takes it: contiguous and 16-byte aligned (`stages.aligned`: its vector loads); a dtype
+    outside `DTYPES` (float64) as fp32, the precision the kernel computes in."""
     if x is None:
         return None
-    return (x if x.dtype in DTYPES else x.float()).contiguous()
+    return aligned((x if x.dtype in DTYPES else x.float()).contiguous())
 
 
 def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
@@ -395,7 +396,7 @@ def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Op
                         dt_bias_dtype=_opt_dtype(dt_bias), beta_act=beta_act,
                         lanes=lanes_for(N, HV, V, _tl.num_sms(dev if dev.type == "cuda" else None)))
     cu = _tl.cu_seqlens_int32(cu_seqlens) if varlen else None
-    tensors = [q.contiguous(), k.contiguous(), v.contiguous(), g, gk, gv, beta, h0, A_log, dt_bias, cu, o, ht]
+    tensors = [_input(q), _input(k), _input(v), g, gk, gv, beta, h0, A_log, dt_bias, cu, o, ht]
     build(*args)(*[x for x in tensors if x is not None])
     return o, ht
 

@@ -10,40 +10,33 @@ and the backward (`scan_bwd`) last to first with the transposed transitions (`re
 
     D[last] = dht[n] (0 without dht),  D[p - 1] = M_p^T D[p] + F_p,   dh0[n] = M_first^T D[first] + F_first
 
-All states are K-first ``[.., K, V]`` fp32; ``M [P, HV, K, K]`` acts on the K index (``S -> M S``). The products are
-plain fp32 FMAs, not tensor cores: the contract is an fp32 scan (`flashdelta.cp.scan_serial` in fp32 is the portable
-twin), and tf32 operands (10-bit mantissa) would put a ~1e-3 relative error into every start state, compounding over
-the partitions, where the bf16 forward's own error budget is spent elsewhere; at these sizes the FMAs cost ~1 us per
-step, so nothing is gained by rounding. The build uses the project's fast-math pass config, so the FMAs are
-``fma.rn.ftz``: fp32 denormals (below 1.2e-38) flush to zero, far below any state value that matters.
+All states are K-first ``[.., K, V]`` fp32; ``M [P, HV, K, K]`` acts on the K index (``S -> M S``). The products run on
+tensor cores in 3xTF32: every fp32 operand x is split into ``hi = tf32(x)`` (rounded to nearest) and ``lo = x - hi``,
+and ``M S = M_hi S_hi + M_hi S_lo + M_lo S_hi`` (mma.sync m16n8k8, fp32 accumulation). The dropped ``M_lo S_lo`` and
+the tensor cores' truncation of lo to tf32 leave each product with a relative error of ~2^-21, the order of an fp32
+dot product's own rounding over K = 128 terms: the scan stays fp32-grade (`flashdelta.cp.scan_serial` in fp32 is the
+portable twin; the GPU tests hold it to a relative L2 error of 1e-5 against float64). A single TF32 product (10-bit
+mantissa) would put ~1e-3 into every start state, compounding over the partitions. The build uses the project's
+fast-math pass config: fp32 denormals flush to zero, far below any state value that matters.
 
-One CTA (`threads`: 128, one warp per SM sub-partition; 256 at BV = 8) per (sequence, value head, V tile of `BV`
-columns), walking the sequence's partitions serially. The state tile ``S [K, BV]`` lives in shared memory (two
-buffers: step j reads one and writes the other, so one CTA barrier per step suffices); thread t owns TM output rows
-of row group ``t // CG`` (RG = THREADS / CG groups) and the 4 columns ``4 (t % CG) ..`` (CG = BV / 4 column
-groups), TM x 4 accumulators in registers. M_p (64 KB at K = 128, read by the V / BV tiles of one head:
-L2-resident) and the bias tile (E_p or F_p, ``[K, BV]``) are streamed by cp.async into a second shared buffer one
-step ahead, so step p's loads run under step p - 1's FMAs. The shared rows are padded by 4 floats (a row of M is 528
-bytes: consecutive rows start 4 banks apart), so a warp's 16-byte reads of 8 consecutive rows hit 8 distinct bank
-quads. The forward reads rows of M, so its row groups interleave (group g owns rows ``g, g + RG, ..``: a warp reads
-8 consecutive rows); groups of TM consecutive rows would put a warp's 8 rows TM apart, 4- or 8-way conflicts at
-TM = 4 or 8. The backward reads columns of M (16 bytes: 4 consecutive output rows of one M row), so its groups hold
-TM consecutive rows.
+One CTA (K / 16 warps: 256 threads at K = 128, 128 at K = 64) per (sequence, value head, V tile of `BV` columns),
+walking the sequence's partitions serially. Warp w owns output rows ``16 w .. 16 w + 15`` (TileLang's `FullRow`
+warp policy): its share of M (or M^T) is an mma A operand in registers, one k chunk of 64 at a time (16 x 64 / 32 = 32
+fp32 values a thread, hi and lo), the state is the B operand in shared memory, split once per step into ``S_hi^T`` and
+``S_lo^T`` ``[BV, K]`` (K-major, what a tf32 B operand takes) by the warps that produced it. M_p (64 KB at K = 128,
+read by the V / BV tiles of one head: L2-resident) and the bias tile (E_p or F_p, ``[K, BV]``) are streamed by
+cp.async into a second shared buffer one step ahead, so step p's loads run under step p - 1's products. M's shared
+rows are padded so that the A operand's reads are conflict-free: lane (g, t) of a warp reads row g, column t of its
+16 x 8 block (forward: a padding of 4 floats puts the rows 4 banks apart) or row t, column g (backward, M^T: 8 floats,
+8 banks apart).
 
-Cost per step (K = 128, BV = 16, TM = 4): 2048 FMAs and 256 16-byte shared loads per thread, ~2.4 k issue slots on
-one warp per sub-partition, ~1.2 us at 1.98 GHz, plus ~0.2 us of barrier and cp.async wait; the M load is 64 KB per
-CTA per step (32 cp.async of 16 bytes per thread), 4 MB per step through L2 at 64 CTAs, under the FMAs. BV = 32
-halves the CTAs and doubles the per-step FMAs (~2.3 us). `choose_bv` takes 8 at K = 128 where the grid of 8-column
-tiles fits one wave (256 threads, TM = 1: each SM's FMAs a step halve and a second warp per sub-partition covers the
-shared loads), else 16 where the 16-column tiles do, else 32. Measured on the H200 (docs/dev/cp.md, "Scan kernel"):
-a step takes ~3.3-3.5 us at BV = 16 (2/8) and ~5.5 at BV = 32 (8/32); BV = 8 at 256 threads took 2/8's forward scan
-from 107 to 82 us at 32 partitions (the backward's 93 -> 87), while 256 threads at BV = 16 were 10-14% slower than
-128 (each warp then re-reads the state block for half the rows). Without `store_final` the last partition's product
-is skipped (the caller's output pass gives the final state), so a sequence of J partitions runs J - 1 steps.
+Why tensor cores: the FMA kernel this replaces (each thread a TM x 4 block of the product, the state re-read from
+shared memory by every row group) moved ~0.5 MB through shared memory per step and CTA, so a step took ~2.7-3.5 us
+bound by the SM's shared-memory pipe (docs/dev/cp.md, "Scan kernel"); here each step reads M once (64 KB), the split
+state once per warp (8 x 2 x K x BV x 4 bytes), and issues 48 mma.sync per warp and 8-column tile.
 
-Predictions (H200, CUDA graph, K = V = 128): 2/8 1x32768, L = 64 (J = 8): 64 CTAs of 7 steps, ~7 x 1.4 + 2 (first M
-load) + ~3 (launch) = ~15 us against ~190 us of torch scan; 2/8 8192x4, L = 64 (J = 2): 128 CTAs (BV = 32) of one
-step, ~2.3 + 2 + 3 = ~7 us.
+Without `store_final` the last partition's product is skipped (the caller's output pass gives the final state), so
+a sequence of J partitions runs J - 1 steps.
 
 The extra sequence index N zero-fills the unused slots ``part_cu[N] .. P - 1`` of H (the plan's empty partitions at
 the end), so no slot of H is left undefined; no kernel reads M or the bias of an unused slot. ``part_cu`` is clamped
@@ -59,16 +52,26 @@ import torch
 from . import _tl
 
 F32 = "float32"
+U32 = "uint32"
 SUPPORTED_K = (64, 128)
 BV_OPTIONS = (8, 16, 32)   # value columns per CTA (8: K = 128 only)
 MAX_V = 1024            # V is split into V / BV CTAs: any multiple of BV up to this
-UNROLL = 4              # unroll factor of the k loop (4 k values per iteration)
-PAD = 4                 # floats of padding per shared row (16 bytes: no bank conflicts on the 16-byte accesses)
 
 
-def threads(BV: int) -> int:
-    """Threads per CTA: 128 (one warp per SM sub-partition), 256 at BV = 8 (one output row of 4 columns a thread)."""
-    return 256 if BV == 8 else 128
+def threads(K: int) -> int:
+    """Threads per CTA: one warp per 16 output rows (TileLang's mma tile)."""
+    return 2 * K
+
+
+def m_pad(reverse: bool) -> int:
+    """Floats of padding per shared row of M: the A operand's reads conflict-free (the module docstring)."""
+    return 8 if reverse else 4
+
+
+def x_stride(BV: int) -> int:
+    """Row length (floats) of the bias tile in shared memory: 8 banks apart (mod 32), so the accumulator's 8-byte
+    reads (lane (g, t): row g, columns 2 t and 2 t + 1) are conflict-free per half-warp."""
+    return BV + (8 - BV) % 32
 
 
 def unsupported(K: int, V: int, BV: int = 16) -> Optional[str]:
@@ -82,9 +85,16 @@ def unsupported(K: int, V: int, BV: int = 16) -> Optional[str]:
     return None
 
 
-# Every barrier is written out (one per step); TileLang's automatic ones would add a second per step between the
-# prefetch into one shared buffer and the reads of the other.
+# Every barrier is written out (two per step); TileLang's automatic ones would add more between the prefetch into one
+# shared buffer and the reads of the other.
 PASS_CONFIGS = {**_tl.PASS_CONFIGS, "tl.disable_thread_storage_sync": True}
+
+
+def _tf32_hi(x):
+    """x rounded to tf32 (10-bit mantissa, nearest, ties away from zero), as fp32: the high part of the 3xTF32 split;
+    ``x - hi`` is exact in fp32."""
+    bits = T.reinterpret(x, U32)
+    return T.reinterpret(T.bitwise_and(bits + T.uint32(0x1000), T.uint32(0xFFFFE000)), F32)
 
 
 @_tl.jit(pass_configs=PASS_CONFIGS)
@@ -99,26 +109,15 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
     P_ = T.dynamic("P")
     N_ = T.dynamic("N")
     # tiling config
-    THREADS = threads(BV)
-    CG = BV // 4                     # column groups of 4
-    RG = THREADS // CG               # row groups
-    TM = K // RG                     # rows per thread
-    VW = min(4, TM)                  # vector width of the backward's M reads (along the output rows)
-    assert TM * RG == K and TM >= 1
+    THREADS = threads(K)
+    MP = K + m_pad(reverse)          # M's shared row
+    XS = x_stride(BV)                # the bias tile's shared row
+    KC = 64                          # the products' k chunk: A operands of [K, KC] (hi and lo: 64 registers a thread)
+    NKC = K // KC
 
     def slot(p0, p1, j):
         # the j-th slot walked (int64): first to last, or last to first
         return T.cast(p1 - 1 - j if reverse else p0 + j, "int64")
-
-    def mi(kk, r):
-        # mv's index of (k offset kk, row r): the forward reads rows of M (4 k per row), the backward columns
-        return kk * TM + r if reverse else r * 4 + kk
-
-    def row(rg, r):
-        # the r-th output row of row group rg: the forward interleaves the groups (a warp's 8 groups read 8
-        # consecutive rows of M, whose padded rows fall in 8 distinct bank quads); the backward reads M^T along the
-        # rows, 4 consecutive rows of one M row per 16-byte read, so its groups hold TM consecutive rows
-        return rg * TM + r if reverse else rg + RG * r
 
     def opt(shape, on):
         return T.Tensor(shape, F32) if on else None
@@ -128,6 +127,13 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
         # M_p and the bias tile of slot p into shared buffer `buf` (cp.async; waited for at the next barrier)
         T.async_copy(M[slot64, i_hv, 0:K, 0:K], M_s[buf, 0:K, 0:K])
         T.async_copy(X[slot64, i_hv, 0:K, v0:v0 + BV], X_s[buf, 0:K, 0:BV])
+
+    @T.macro
+    def put_state(acc, s_hi, s_lo):
+        # the state as the next step's B operand: S^T in k chunks [NKC, BV, KC], split into tf32 hi and lo
+        for i, c in T.Parallel(K, BV):
+            s_hi[i // KC, c, i % KC] = _tf32_hi(acc[i, c])
+            s_lo[i // KC, c, i % KC] = acc[i, c] - _tf32_hi(acc[i, c])
 
     @T.prim_func
     def cp_scan_kernel(
@@ -139,18 +145,16 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
         final: opt((N_, HV, K, V), store_final),
     ):
         with T.Kernel((N_ + 1) * HV * NV, threads=THREADS) as bx:
-            tx = T.get_thread_binding()
             i_n = bx // (HV * NV)
             i_hv = (bx // NV) % HV
             v0 = (bx % NV) * BV
-            rg = tx // CG                    # this thread's row group
-            c0 = (tx % CG) * 4               # first column (within the tile)
-            M_s = T.alloc_shared((2, K, K + PAD), F32)
-            X_s = T.alloc_shared((2, K, BV + PAD), F32)
-            S_s = T.alloc_shared((2, K, BV + PAD), F32)
-            acc = T.alloc_local((TM * 4,), F32)
-            mv = T.alloc_local((TM * 4,), F32)
-            sv = T.alloc_local((16,), F32)
+            M_s = T.alloc_shared((2, K, MP), F32)
+            X_s = T.alloc_shared((2, K, XS), F32)
+            s_hi = T.alloc_shared((NKC, BV, KC), F32)
+            s_lo = T.alloc_shared((NKC, BV, KC), F32)
+            a_hi = T.alloc_fragment((K, KC), F32)
+            a_lo = T.alloc_fragment((K, KC), F32)
+            acc = T.alloc_fragment((K, BV), F32)
             rng = T.alloc_local((2,), "int32")
             rng[0] = T.min(T.max(part_cu[T.min(i_n, N_)], 0), P_)
             rng[1] = T.min(T.max(part_cu[T.min(i_n + 1, N_)], rng[0]), P_)
@@ -161,66 +165,52 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
                 cnt = p1 - p0
                 nmul = T.if_then_else(cnt > 0, cnt if store_final else cnt - 1, 0)
 
-                # ---- the start value: registers, shared buffer 0, H of the first slot walked ----
-                for r in T.unroll(TM):
-                    for t in T.vectorized(4):
-                        if has_init:
-                            acc[r * 4 + t] = init[n64, i_hv, row(rg, r), v0 + c0 + t]
-                        else:
-                            acc[r * 4 + t] = 0.0
-                for r in T.unroll(TM):
-                    for t in T.vectorized(4):
-                        S_s[0, row(rg, r), c0 + t] = acc[r * 4 + t]
+                # ---- the start value: the accumulator, the split state, H of the first slot walked ----
+                for i, c in T.Parallel(K, BV):
+                    if has_init:
+                        acc[i, c] = init[n64, i_hv, i, v0 + c]
+                    else:
+                        acc[i, c] = 0.0
+                put_state(acc, s_hi, s_lo)
                 if cnt > 0:
-                    for r in T.unroll(TM):
-                        for t in T.vectorized(4):
-                            H[slot(p0, p1, 0), i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
+                    for i, c in T.Parallel(K, BV):
+                        H[slot(p0, p1, 0), i_hv, i, v0 + c] = acc[i, c]
                 if nmul > 0:
                     prefetch(M, X, M_s, X_s, slot(p0, p1, 0), i_hv, v0, 0)
                 for j in T.serial(nmul):
                     b = j % 2
                     T.ptx_wait_group(0)
-                    T.sync_threads()             # step j's loads and the state written at step j - 1 are visible
+                    T.sync_threads()             # step j's loads and the state split at step j - 1 are visible
                     if j + 1 < nmul:
                         prefetch(M, X, M_s, X_s, slot(p0, p1, j + 1), i_hv, v0, 1 - b)
-                    for r in T.unroll(TM):
-                        for t in T.vectorized(4):
-                            acc[r * 4 + t] = X_s[b, row(rg, r), c0 + t]
-                    for kb in T.unroll(K // 4, annotations={"pragma_unroll_factor": UNROLL}):
-                        # 4 k values: the thread's TM x 4 block of M (or M^T) and the state's 4 x 4 block
-                        if reverse:
-                            for kk in T.unroll(4):
-                                for r4 in T.unroll(TM // VW):
-                                    for t in T.vectorized(VW):
-                                        mv[mi(kk, r4 * VW + t)] = M_s[b, kb * 4 + kk, row(rg, r4 * VW + t)]
-                        else:
-                            for r in T.unroll(TM):
-                                for t in T.vectorized(4):
-                                    mv[mi(t, r)] = M_s[b, row(rg, r), kb * 4 + t]
-                        for kk in T.unroll(4):
-                            for t in T.vectorized(4):
-                                sv[kk * 4 + t] = S_s[b, kb * 4 + kk, c0 + t]
-                        for kk in T.unroll(4):
-                            for r in T.unroll(TM):
-                                for t in T.unroll(4):
-                                    acc[r * 4 + t] = acc[r * 4 + t] + mv[mi(kk, r)] * sv[kk * 4 + t]
-                    for r in T.unroll(TM):
-                        for t in T.vectorized(4):
-                            S_s[1 - b, row(rg, r), c0 + t] = acc[r * 4 + t]
+                    for i, c in T.Parallel(K, BV):
+                        acc[i, c] = X_s[b, i, c]
+                    # acc += M S in 3xTF32 (the module docstring), k chunk by k chunk: [K, KC] @ [KC, BV], B given
+                    # as S^T [BV, KC]
+                    for kc in T.unroll(NKC):
+                        for i, k in T.Parallel(K, KC):
+                            if reverse:
+                                a_hi[i, k] = _tf32_hi(M_s[b, kc * KC + k, i])
+                                a_lo[i, k] = M_s[b, kc * KC + k, i] - a_hi[i, k]
+                            else:
+                                a_hi[i, k] = _tf32_hi(M_s[b, i, kc * KC + k])
+                                a_lo[i, k] = M_s[b, i, kc * KC + k] - a_hi[i, k]
+                        T.gemm(a_hi, s_hi[kc, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.gemm(a_hi, s_lo[kc, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.gemm(a_lo, s_hi[kc, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.sync_threads()             # every warp has read the state before it is overwritten
+                    put_state(acc, s_hi, s_lo)
                     if j + 1 < cnt:
-                        for r in T.unroll(TM):
-                            for t in T.vectorized(4):
-                                H[slot(p0, p1, j + 1), i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
+                        for i, c in T.Parallel(K, BV):
+                            H[slot(p0, p1, j + 1), i_hv, i, v0 + c] = acc[i, c]
                 if store_final:
-                    for r in T.unroll(TM):
-                        for t in T.vectorized(4):
-                            final[n64, i_hv, row(rg, r), v0 + c0 + t] = acc[r * 4 + t]
+                    for i, c in T.Parallel(K, BV):
+                        final[n64, i_hv, i, v0 + c] = acc[i, c]
             else:
                 # ---- the padding row: zeros in every unused slot ----
                 for p in T.serial(P_ - p1):
-                    for r in T.unroll(TM):
-                        for t in T.vectorized(4):
-                            H[T.cast(p1 + p, "int64"), i_hv, row(rg, r), v0 + c0 + t] = 0.0
+                    for i, c in T.Parallel(K, BV):
+                        H[T.cast(p1 + p, "int64"), i_hv, i, v0 + c] = 0.0
 
     return cp_scan_kernel
 

@@ -51,23 +51,6 @@ def pytest_addoption(parser):
     parser.addoption("--all-builds", action="store_true",
                      help="the compile tier compiles every kernel build of the GPU tier's cases, not only a subset "
                           "that makes every compile-time choice once (tests/_builds.py `covering`)")
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run only the I-th of N interleaved shards of the collected tests (I in 0..N-1): N "
-                          "processes, one per shard, split a long GPU test file (bench/dev/gpu_session.sh)")
-
-
-def _shard(config):
-    """(I, N) from --shard I/N, or None."""
-    value = config.getoption("--shard")
-    if value is None:
-        return None
-    try:
-        i, n = (int(x) for x in value.split("/"))
-    except ValueError:
-        raise pytest.UsageError(f"--shard: expected I/N (two integers), got {value!r}") from None
-    if not 0 <= i < n:
-        raise pytest.UsageError(f"--shard: expected 0 <= I < N, got {value!r}")
-    return i, n
 
 
 def pytest_configure(config):
@@ -83,11 +66,6 @@ def _compiles(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    shard = _shard(config)
-    if shard is not None:
-        i, n = shard
-        config.hook.pytest_deselected(items=[t for k, t in enumerate(items) if k % n != i])
-        items[:] = [t for k, t in enumerate(items) if k % n == i]
     gpu_dir = os.path.join(os.path.dirname(__file__), "gpu")
     skip = pytest.mark.skip(reason="needs an NVIDIA Hopper (SM90) GPU")
     hopper = _has_hopper()

@@ -26,16 +26,11 @@ if [ "${PRECOMPILE:-0}" = 1 ]; then
 fi
 # phase 1: the GPU test files in parallel (kernel compiles dominate unless the cache is carried), then the bigmem
 # tests (tensors past 2^31 elements, up to ~76 GB) one at a time: two of them at once overflow an 80 GB H100.
-# TEST_FILES narrows the files (e.g. "tests/gpu/test_cp_gpu.py"). The two longest files run as three shards each
-# (conftest.py's --shard): alone they took 285 s and 245 s of a ~300 s phase on an H100, the next longest 90 s.
-shards() { case "$(basename "$1")" in test_cp_gpu.py|test_bwd.py) echo 3 ;; *) echo 1 ;; esac; }
+# TEST_FILES narrows the files (e.g. "tests/gpu/test_cp_gpu.py").
 for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
-  n=$(shards "$f")
-  for i in $(seq 0 $(( n - 1 ))); do
-    log="$L/$(basename "$f" .py)$([ "$n" -gt 1 ] && echo "_$i").log"
-    timeout "${TEST_S:-300}" python3 -u -m pytest "$f" -m "not bigmem" -q -p no:cacheprovider --shard "$i/$n" \
-      > "$log" 2>&1 &
-  done
+  # 300 s: test_cp_gpu.py, the longest, took ~250 s beside FLA's tests on an H100 (cut at 240 after 78 of 79)
+  timeout "${TEST_S:-300}" python3 -u -m pytest "$f" -m "not bigmem" -q -p no:cacheprovider \
+    > "$L/$(basename "$f" .py).log" 2>&1 &
 done
 wait
 timeout "${BIGMEM_S:-180}" python3 -u -m pytest ${TEST_FILES:-tests/gpu} -m bigmem -q -p no:cacheprovider \

@@ -12,12 +12,13 @@ and the backward (`scan_bwd`) last to first with the transposed transitions (`re
 
 All states are K-first ``[.., K, V]`` fp32; ``M [P, HV, K, K]`` acts on the K index (``S -> M S``). The products run on
 tensor cores in 3xTF32: every fp32 operand x is split into ``hi = tf32(x)`` (rounded to nearest) and ``lo = x - hi``,
-and ``M S = M_hi S_hi + M_hi S_lo + M_lo S_hi`` (mma.sync m16n8k8, fp32 accumulation). The dropped ``M_lo S_lo`` and
-the tensor cores' truncation of lo to tf32 leave each product with a relative error of ~2^-21, the order of an fp32
-dot product's own rounding over K = 128 terms: the scan stays fp32-grade (`flashdelta.cp.scan_serial` in fp32 is the
-portable twin; the GPU tests hold it to a relative L2 error of 1e-5 against float64). A single TF32 product (10-bit
-mantissa) would put ~1e-3 into every start state, compounding over the partitions. The build uses the project's
-fast-math pass config: fp32 denormals flush to zero, far below any state value that matters.
+and ``M S = M_hi S_hi + M_hi S_lo + M_lo S_hi`` (mma.sync m16n8k8, fp32 accumulation). Against the fp32 serial scan
+(`flashdelta.cp.scan_serial`, the portable twin) the result's relative L2 error is 3.7e-6 at 8 partitions and 7.1e-6
+at 32 (H100; the FMA kernel this replaces: 4-5e-7), growing about as the square root of the partitions: the tensor
+cores' accumulation truncates, and the dropped ``M_lo S_lo`` adds ~2^-21 a product. That is ~500x below the bf16
+rounding the output pass applies to these states; the GPU tests hold the scan to 1e-5 against float64 (up to 32
+partitions). A single TF32 product (10-bit mantissa) would put ~1e-3 into every start state, compounding over the
+partitions. The build uses the project's fast-math pass config: fp32 denormals flush to zero.
 
 One CTA (K / 16 warps: 256 threads at K = 128, 128 at K = 64) per (sequence, value head, V tile of `BV` columns),
 walking the sequence's partitions serially. Warp w owns output rows ``16 w .. 16 w + 15`` (TileLang's `FullRow`
@@ -31,9 +32,10 @@ rows are padded so that the A operand's reads are conflict-free: lane (g, t) of 
 8 banks apart).
 
 Why tensor cores: the FMA kernel this replaces (each thread a TM x 4 block of the product, the state re-read from
-shared memory by every row group) moved ~0.5 MB through shared memory per step and CTA, so a step took ~2.7-3.5 us
-bound by the SM's shared-memory pipe (docs/dev/cp.md, "Scan kernel"); here each step reads M once (64 KB), the split
-state once per warp (8 x 2 x K x BV x 4 bytes), and issues 48 mma.sync per warp and 8-column tile.
+shared memory by every row group) moved ~0.5 MB through shared memory per step and CTA. Measured (H100, kernel only,
+cp_scan_bench.py, 32 partitions; docs/dev/cp.md): the backward's step 2.7-2.8 -> 1.9 us at 8-column tiles (2/4 and
+2/8 heads: 84-88 -> 58-60 us a scan), 3.0 -> 2.3 at 16 (4/16), 4.5 -> 3.5 at 32 (8/32); the forward's 3.2 -> 2.8 at
+16 columns and 5.0 -> 3.8 at 32, but unchanged at 8 (~2.5-2.6 us: something other than the products bounds it there).
 
 Without `store_final` the last partition's product is skipped (the caller's output pass gives the final state), so
 a sequence of J partitions runs J - 1 steps.

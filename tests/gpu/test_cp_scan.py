@@ -5,7 +5,8 @@ slots at the end; with and without h0 / dht and the final state; K = V = 128, K 
 
 Inputs are random fp32 transitions near a contraction (``0.9 I + 0.1 G / sqrt(K)``, G Gaussian) and Gaussian bias
 terms, so the scan neither vanishes nor blows up over the partitions; the float64 reference runs on the same fp32
-values. An fp32 scan agrees with it to rounding: relative L2 error <= 1e-5. Unused slots must be exactly 0.
+values. The kernel's 3xTF32 products agree with it to 1e-5 relative L2 error (measured 3.7e-6 at 8 partitions, 7.1e-6
+at 32 against an fp32 FMA scan: kernels/cp_scan.py). Unused slots must be exactly 0.
 
 Builds: `builds()`; compile them on the CPU machine with
 
@@ -21,7 +22,7 @@ from flashdelta import cp
 from flashdelta.kernels import cp_scan
 from flashdelta.reference import cp as rcp
 
-TOL = 1e-5          # fp32 scan against float64 on the same inputs
+TOL = 1e-5          # the kernel (3xTF32 products, fp32 states) against float64 on the same inputs
 
 
 @dataclasses.dataclass(frozen=True)

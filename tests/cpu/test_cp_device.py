@@ -285,6 +285,33 @@ def test_cp_backward_equals_serial(case, L, use_ht, fwd_split, monkeypatch):
         assert_close(name, a, b, tol=2e-6)
 
 
+def test_split_backward_frees_the_m_pass_values(monkeypatch):
+    """With saved start states the split backward's M pass takes a never-read values tensor ([1, T, HV, K]); it must be
+    freed once the pass is launched, not held through chunk_bwd (the backward's peak memory): by the reverse scan, the
+    step before chunk_bwd, nothing refers to it any more."""
+    import weakref
+
+    case, L, use_ht = BWD_CASES[0]
+    x = make_inputs(case, dtype=torch.float32)
+    calls = split_backward_only(monkeypatch)
+    refs, alive = [], []
+    real_m, real_scan = cp._transitions, cp.scan_grads
+
+    def transitions(q, k, zeros, *a, **kw):
+        refs.append(weakref.ref(zeros))
+        return real_m(q, k, zeros, *a, **kw)
+
+    def scan_grads(*a, **kw):
+        alive.extend(r() is not None for r in refs)
+        return real_scan(*a, **kw)
+
+    monkeypatch.setattr(cp, "_transitions", transitions)
+    monkeypatch.setattr(cp, "scan_grads", scan_grads)
+    _grads(x, L, use_ht)
+    assert calls and calls[0][1] is not None, "the backward read the forward's start states"
+    assert refs and alive == [False] * len(refs), "the M pass's values outlived its launch"
+
+
 def test_side_stream_is_cuda_only():
     """`streams.fork` hands out a side stream on CUDA devices only; off CUDA the backward runs chunk_dstate inline
     (the tests above) and `join` of None does nothing."""

@@ -51,14 +51,14 @@ def _state_shape(N: int, HV: int, K: int, V: int, state_v_first: bool) -> tuple:
 
 def _flat(x: Tensor) -> Tensor:
     """[B, T, ...] -> [1, B*T, ...], contiguous and 16-byte aligned."""
-    return aligned(x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous())
+    return aligned(x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]))
 
 
 def _cu(q: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     if cu_seqlens is None:
         B, T = q.shape[:2]
         return torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-    return aligned(cu_seqlens.to(torch.int32).contiguous())
+    return aligned(cu_seqlens.to(torch.int32))
 
 
 def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
@@ -66,7 +66,7 @@ def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
     kernels) goes in as float32, the precision they compute in."""
     if x is None:
         return None
-    return aligned(x.to(kset.param_dtype(x.dtype)).contiguous())
+    return aligned(x.to(kset.param_dtype(x.dtype)))
 
 
 def _gate_dtype(q: Tensor) -> torch.dtype:
@@ -316,7 +316,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             l2norm = plan.fn("l2norm_fwd")
             (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
-    dht = aligned(dht.to(_gate_dtype(q)).contiguous()) if dht is not None else None
+    dht = aligned(dht.to(_gate_dtype(q))) if dht is not None else None
     if g_cumsum is None or A is None:
         g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     else:

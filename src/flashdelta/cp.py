@@ -815,8 +815,7 @@ def _dqk_buffers(q: Tensor, HV: int, kset) -> Optional[tuple]:
 
     if not chunk_bwd.group_add(q.shape[2], HV):
         return None
-    return torch.empty((1, *q.shape[1:]), dtype=q.dtype, device=q.device), \
-        torch.empty((1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+    return tuple(torch.empty((1, *q.shape[1:]), dtype=q.dtype, device=q.device) for _ in range(2))
 
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,

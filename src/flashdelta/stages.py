@@ -39,9 +39,12 @@ from typing import Callable, Optional
 
 import torch
 
+
 def aligned(x: torch.Tensor) -> torch.Tensor:
-    """x, or a copy of it where its data does not start on a 16-byte boundary (a contiguous view at an odd offset
-    into a larger buffer): what the native kernels' TMA descriptors and 16-byte vector loads take."""
+    """x contiguous and starting on a 16-byte boundary (what the native kernels' TMA descriptors and 16-byte vector
+    loads take): x itself where it is, else a copy (a strided view, or a contiguous view at an odd offset into a
+    larger buffer)."""
+    x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 

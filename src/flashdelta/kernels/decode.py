@@ -345,7 +345,7 @@ def _input(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     outside `DTYPES` (float64) as fp32, the precision the kernel computes in."""
     if x is None:
         return None
-    return aligned((x if x.dtype in DTYPES else x.float()).contiguous())
+    return aligned(x if x.dtype in DTYPES else x.float())
 
 
 def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],

@@ -420,16 +420,18 @@ def _part_cu(plan: CPPlan) -> Tensor:
     return torch.cat([plan.last_index.new_zeros(1), plan.last_index + 1]).to(torch.int32)
 
 
-def scan_states(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor], method: Optional[str] = None) -> Tensor:
+def scan_states(M: Tensor, E: Tensor, plan: CPPlan, h0: Optional[Tensor], method: Optional[str] = None, *,
+                heads: Optional[Tensor] = None) -> Tensor:
     """Every partition's start state (K-first), by `method` (``"kernel"`` / ``"serial"`` / ``"log"``; None: the
     cheaper torch scan by `scan_cost`; the CP passes pass ``"kernel"`` where `_kernel_scan` holds). The kernel
-    zero-fills unused slots."""
+    zero-fills unused slots. `heads` (``[HV]`` bool, or None: all): the value heads whose states the caller reads;
+    the kernel walks only those (the others' states are then undefined), the torch scans all."""
     if method is None:
         method = scan_cost(plan.P, plan.J, E.shape[1], E.shape[2], E.shape[3])[1]
     if method == "kernel":
         from .kernels import cp_scan  # noqa: PLC0415 - TileLang only where the kernel runs
 
-        return cp_scan.scan_fwd(M.contiguous(), E, h0, _part_cu(plan))
+        return cp_scan.scan_fwd(M.contiguous(), E, h0, _part_cu(plan), heads=heads)
     if method == "serial":
         return scan_serial(M, E, plan, h0)
     if method == "log":
@@ -604,6 +606,60 @@ def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bo
     return thr if pays else None
 
 
+def _state_dtype(q: Tensor) -> torch.dtype:
+    """The CP passes' state dtype: fp32, float64 for float64 q (the portable path's twin)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _overlaps(win: Windows, q: Tensor, kset, save_states: bool) -> bool:
+    """Whether the forward runs its output pass in two launches beside each other (`_output_overlapped`): with the
+    warm-up (its heads' start states need no scan), on the SM90 kernel set (a side stream on the device), for a
+    forward that does not save the chunk states (the training forward's output pass writes them in one launch)."""
+    return win.threshold is not None and _sm90(q, kset) and not save_states
+
+
+def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: CPPlan, win: Windows, *, scale: float,
+                       chunk_fwd, scan: Optional[str], kset) -> tuple:
+    """The forward's summaries, scan and output pass with the warm-up heads off the scan's path: ``(o, final
+    [N, HV, K, V])``, the same values as the one-launch output pass over `scan_states`.
+
+    A (partition, head) needs the scan only where the partition before walked the exact path (``win.fallback``);
+    the others start from h0 (a sequence's first partition) or from the window of the partition before (its E from
+    a zero start, the scan's ``M_p = 0`` step). So on the side stream (`flashdelta.streams`, above the default
+    priority) run the critical path: the M and E passes (`summaries`), the scan of the heads that need it, and the
+    output pass of those (partition, head)s; and beside it on the current stream: the windows' E pass alone (the
+    fallback heads skipped: a few chunks a CTA), their start states (one shift by a slot), and the output pass of the
+    other (partition, head)s, into the same o (`chunk_fwd(out=...)`, complementary `chunk_skip`s). The final states
+    are taken from the launch that walked each sequence's last partition."""
+    HV = v.shape[2]
+    exact = torch.cat([win.fallback.new_zeros(1, HV), win.fallback[:-1]]) & ~plan.first[:, None]   # [P, HV]
+    none = torch.full_like(win.skip_e, SKIP_ALL)
+    zero = torch.zeros_like(win.skip_e)
+    from .kernels import _tl  # noqa: PLC0415 - no TileLang: the launchers' output allocation (NaN under the tests)
+
+    o = _tl.alloc(v.shape, v.dtype, v.device)           # before the fork: both streams write it
+    kw = dict(scale=scale, state_v_first=False)
+    side = streams.fork(q.device)
+    with streams.on(side):
+        M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=chunk_fwd, windows=win)
+        H = scan_states(M, E, plan, h0, scan or ("kernel" if _kernel_scan(E, kset) else None), heads=exact.any(0))
+        _, ht_exact = chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, chunk_skip=torch.where(exact, zero, none),
+                                out=o, **kw)
+    _, E_win = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, chunk_skip=torch.where(win.fallback, none,
+                                                                                            win.skip_e),
+                         states_only=True, **kw)
+    start = E_win.roll(1, 0)                            # slot p starts from the window of slot p - 1
+    h_first = h0.index_select(0, plan.seq) if h0 is not None else start.new_zeros(())
+    start = torch.where(plan.first[:, None, None, None], h_first, start)
+    _, ht_warm = chunk_fwd(q, k, v, g_cumsum, beta, A, start, plan.cu, chunk_skip=torch.where(exact, none, zero),
+                           out=o, **kw)
+    streams.join(side)
+    last = plan.last_index
+    final = torch.where(exact.index_select(0, last)[:, :, None, None], ht_exact.index_select(0, last),
+                        ht_warm.index_select(0, last))
+    return o, final
+
+
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
                  save_states: bool = False):
@@ -620,7 +676,9 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads beta only (`windows`). Launches: the windows (one
     `kernels.cp_windows` launch on the SM90 path with the warm-up, else small torch kernels), two `chunk_fwd` (M and E
     in one, `summaries`; the output pass), the scan (one `kernels.cp_scan` launch; the torch scans: J - 1 batched
-    GEMMs for one dense sequence, about four small kernels per step for varlen), the final-state gather.
+    GEMMs for one dense sequence, about four small kernels per step for varlen), the final-state gather. With the
+    warm-up on the SM90 path (`_overlaps`) the output pass runs in two launches beside the M pass and the scan
+    (`_output_overlapped`: also the windows' E pass alone, the warm-up start states' shift and the final-state select).
 
     `save_states` (a native chunk_fwd only: `chunk_fwd(save_states=True)`): the output pass also writes the state
     entering every chunk over the whole sequences (`state_seqs`: the layout `state_recompute` over cu_seqlens gives),
@@ -631,13 +689,18 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     launch = backends.fn("chunk_fwd")
+    kset = backends.kset("chunk_fwd")
     win = windows(g_cumsum, k, beta, plan, _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1]),
-                  keys_normalized=keys_normalized, kset=backends.kset("chunk_fwd"))
-    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
+                  keys_normalized=keys_normalized, kset=kset)
     h0 = initial_state
     if h0 is not None:
-        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(E.dtype)
-    scan = scan or ("kernel" if _kernel_scan(E, backends.kset("chunk_fwd")) else None)
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(_state_dtype(q))
+    if _overlaps(win, q, kset, save_states):
+        o, final = _output_overlapped(q, k, v, g_cumsum, beta, A, h0, plan, win, scale=scale, chunk_fwd=launch,
+                                      scan=scan, kset=kset)
+        return o, (final.transpose(-1, -2).contiguous() if state_v_first else final)
+    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
+    scan = scan or ("kernel" if _kernel_scan(E, kset) else None)
     H = scan_states(M, E, plan, h0, scan)
     if save_states:
         o, ht, states = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
@@ -855,7 +918,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     fks, bks = backends.kset("chunk_fwd"), backends.kset("chunk_bwd")
-    sd = fks.param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    sd = fks.param_dtype(_state_dtype(q))
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)
@@ -939,6 +1002,11 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
                 transitions=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
+    # the warm-up's output pass in two launches (`_output_overlapped`): the windows' E pass alone, the output passes
+    # over complementary skips
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
+                states_only=True)
+    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
     todo += item_order.launcher_builds(descending=(False,))
     if backward:
         todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), transitions=True)
@@ -952,8 +1020,9 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,), h_seqs=(True, False))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))
         todo += item_order.launcher_builds(descending=(True,))
-    if cp_scan.unsupported(K, V) is None:           # the scans (both V tiles: the tile depends on N)
-        todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS)
+    if cp_scan.unsupported(K, V) is None:           # the scans (every V tile: the tile depends on N)
+        todo += cp_scan.launcher_builds(HV, K, V, backward=backward and (K, V) in chunk_bwd.HEAD_DIMS,
+                                        heads=(False, True))
     out = {}
     for label, b, args in todo:
         out.setdefault((b.__name__, args), (f"cp {label}", b, args))

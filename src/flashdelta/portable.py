@@ -332,7 +332,7 @@ def _check_chunk_counts(name: str, counts: Optional[Tensor], N: int, HV: int) ->
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None, compute_dtype=None, operand_dtype=None):
+              transitions=False, transition_skip=None, compute_dtype=None, operand_dtype=None, out=None):
     """Chunked forward from g_cumsum and A. Returns ``o [1,T,HV,V]`` (v.dtype) and the final state
     ``[N,HV,K,V]`` (or ``[N,HV,V,K]``), float32 (float64 at compute_dtype float64).
 
@@ -348,7 +348,13 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
     initial state, K-first): also return, third, each sequence's transition ``M [N, HV, K, K]`` (zero values walked
     from the identity; `transition_skip` ``[N, HV]`` integer, with `chunk_skip` only, its walks' start chunks; M = 0
     where that skips every chunk of a non-empty sequence): the SM90 launcher's one-launch M and E passes, here two
-    walks."""
+    walks. `out`: a ``[1, T, HV, V]`` tensor in v's dtype that o is written into and returned as o: only the chunks
+    walked and the padding tail (zeros), so two calls over complementary `chunk_skip` fill one o (context
+    parallelism's output pass in two launches, `flashdelta.cp`); not with `states_only`."""
+    if out is not None and (states_only or transitions or tuple(out.shape) != (1, *v.shape[1:])
+                            or out.dtype != v.dtype):
+        raise ValueError(f"out: a [1, T, HV, V] tensor in v's dtype and not with states_only, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if transitions:
         return _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, scale=scale, chunk_size=chunk_size,
                                  chunk_skip=chunk_skip, transition_skip=transition_skip,
@@ -382,6 +388,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
         slot = slot.to(device=q.device, dtype=torch.long)
         starts = S.new_zeros(int(P), HV, K, V)
         starts[slot] = S
+    walked = torch.ones(lay.NT, HV, dtype=torch.bool, device=q.device)       # [NT, HV]: the chunks walked
     for c, (ids, seqs) in enumerate(lay.steps):
         if starts is not None and c and c % L == 0:
             starts[slot[seqs] + c // L] = S[seqs]
@@ -390,9 +397,16 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
         if not states_only:
             oc[ids] = O
         if chunk_skip is not None:              # heads that start later keep their initial state through chunk c
-            S1 = torch.where((chunk_skip[seqs].to(q.device) <= c)[:, :, None, None], S1, S[seqs])
+            walks = chunk_skip[seqs].to(q.device) <= c
+            S1 = torch.where(walks[:, :, None, None], S1, S[seqs])
+            walked[ids] = walks
         S[seqs] = S1
     o = None if states_only else _scatter(oc, lay, v.dtype)
+    if out is not None:
+        # tokens of the chunks walked, and those outside every chunk (the padding tail, zeros); the rest keep out's
+        inside = _scatter(torch.ones_like(oc[..., 0]), lay, torch.bool)                       # [1, T, HV]
+        keep = _scatter(walked[:, :, None].expand(-1, -1, lay.BT), lay, torch.bool) | ~inside
+        o = out.copy_(torch.where(keep[..., None], o, out))
     ht = _state_out(S, state_v_first, _state_dtype(cd))
     return (o, ht) if starts is None else (o, ht, starts.to(_state_dtype(cd)))
 

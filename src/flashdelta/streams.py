@@ -1,10 +1,16 @@
 """Two independent launches at once: a side stream per CUDA device for work that does not depend on what the
-current stream runs next (context parallelism's backward runs chunk_dstate there beside its M pass, `cp.cp_chunk_bwd`).
+current stream runs next (context parallelism: the forward runs its exact heads' passes there, `cp.cp_chunk_fwd`, the
+backward chunk_dstate beside its M pass, `cp.cp_chunk_bwd`).
 
 `fork(device)` makes the side stream wait for the current one and returns it (None off CUDA: the work runs inline);
 work enqueued under ``on(side)`` then runs beside the current stream's, and `join(side)` makes
 the current stream wait for it before anything reads its results. Both are events on the device, no host
 synchronisation, so CUDA-graph capture records the fork and the join as graph edges.
+
+The side stream's priority is above the default (-1 against 0): where both streams have CTAs waiting, the block
+scheduler gives freed SMs to the side stream's first, so callers put the critical path there (context
+parallelism's forward: the M pass, scan and output pass of the heads on the exact path, beside the warm-up heads'
+output pass).
 
 Memory: a tensor allocated under the side stream returns to that stream's pool when freed, and the side stream only
 takes new work after a `fork`, which orders it after everything the current stream had enqueued, including the reads
@@ -27,7 +33,7 @@ def fork(device: torch.device) -> Optional[torch.cuda.Stream]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE.get(index)
     if side is None:
-        side = _SIDE[index] = torch.cuda.Stream(device=index)
+        side = _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)          # above the default 0
     side.wait_stream(torch.cuda.current_stream(index))
     return side
 

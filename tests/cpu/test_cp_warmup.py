@@ -246,6 +246,55 @@ def test_warmup_start_states_equal_the_reference(case, L, thr):
             assert_close("h", cp.scan_states(M, E, plan, h0, method)[:parts.P], want, tol=1e-12)
 
 
+def test_out_fills_one_o_from_complementary_skips():
+    """`chunk_fwd(out=...)` (portable): two calls over complementary `chunk_skip`s (each (sequence, head) walked
+    whole by one of them, from the same initial state) fill one o, equal to one call without skips; each call
+    writes only its walked chunks and the padding tail (a NaN-filled o keeps NaN nowhere)."""
+    case = Case("out_skips", (300, 1, 700, 0, 130), H=1, HV=4, K=16, V=8, gate="bench", pad=7)
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    h0 = x["initial_state"]
+    N = len(cu) - 1
+    kw = dict(scale=0.25)
+    o_one, ht_one = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, **kw)
+    mine = torch.rand(N, case.HV, generator=torch.Generator().manual_seed(1)) < 0.5
+    skip = torch.where(mine, 0, cp.SKIP_ALL).to(torch.int32)
+    o = torch.full_like(v, float("nan"))
+    o_a, ht_a = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, chunk_skip=skip, out=o, **kw)
+    assert o_a is o and bool(o[0, -case.pad:].eq(0).all())
+    o_b, ht_b = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, chunk_skip=cp.SKIP_ALL - skip, out=o, **kw)
+    assert o_b is o and not bool(o.isnan().any())
+    assert_close("o", o, o_one, tol=1e-13)
+    assert_close("ht", torch.where(mine[..., None, None], ht_a, ht_b), ht_one, tol=1e-13)
+    with pytest.raises(ValueError, match="out"):
+        portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, out=o[:, :-1], **kw)
+    with pytest.raises(ValueError, match="out"):
+        portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, states_only=True, out=o, **kw)
+
+
+@pytest.mark.parametrize("case,L,thr", WINDOW_CASES, ids=WINDOW_IDS)
+def test_overlapped_output_pass_equals_one_launch(case, L, thr, monkeypatch):
+    """The forward's output pass in two launches (`cp._output_overlapped`: the exact heads' summaries, scan and
+    output pass beside the warm-up heads' window E pass and output pass, into one o) gives the one-launch output
+    pass's o and final states (float64, portable launchers, the side stream inline on the CPU), h0 present and
+    absent, both state layouts; where no head falls back or every head does too (the zero-gate case)."""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup=thr)
+    backends = dispatch.plan(torch.device("cpu"), case.K, case.V, F64, need_bwd=False)
+    for h0, v_first in ((x["initial_state"], False), (None, False), (x["initial_state"], True)):
+        if h0 is not None and v_first:
+            h0 = h0.transpose(-1, -2).contiguous()
+        runs = []
+        for overlap in (False, True):
+            monkeypatch.setattr(cp, "_overlaps", lambda *a, on=overlap: on)
+            monkeypatch.setenv("FLASHDELTA_POISON", "1")
+            runs.append(cp.cp_chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=0.25, state_v_first=v_first,
+                                        plan=plan, backends=backends))
+        (o0, ht0), (o1, ht1) = runs
+        assert not bool(o1.isnan().any()) and not bool(ht1.isnan().any())
+        assert_close("o", o1, o0, tol=1e-13)
+        assert_close("final", ht1, ht0, tol=1e-13)
+
+
 # (case, partition chunks, threshold, minimum tightness err / bound over the boundaries)
 BOUND_CASES = [
     # head dim 128, benchmark gates: the realistic setting; a threshold where the truncation is far above rounding

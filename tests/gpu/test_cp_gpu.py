@@ -523,6 +523,27 @@ def test_cp_warmup_matches_reference_exact_and_serial(case, L, monkeypatch):
         assert torch.all(o1[:, -case.pad:] == 0)
 
 
+@pytest.mark.parametrize("case,L", WARM_CASES, ids=[c[0].name for c in WARM_CASES])
+def test_overlapped_output_pass_equals_one_launch(case, L, monkeypatch):
+    """The warm-up forward's output pass in two launches beside each other (`cp._output_overlapped`: the exact
+    heads' summaries, masked scan and output pass on the side stream, the warm-up heads' window E pass and output
+    pass on the current one, into one o) gives the one-launch path's o and final state bit for bit: the same
+    kernels' state chain, and the scan's step for a warm-up head is E_p + 0."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.setenv(cp.ENV_WARMUP, "1")
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    calls, real = [], cp._output_overlapped
+    monkeypatch.setattr(cp, "_output_overlapped", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        o1, ht1 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=L)
+        assert calls, "the warm-up forward takes the overlapped output pass"
+        monkeypatch.setattr(cp, "_overlaps", lambda *a: False)
+        o0, ht0 = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=L)
+    assert len(calls) == 1
+    assert torch.equal(o1, o0), f"o: max diff {float((o1.float() - o0.float()).abs().max()):.3g}"
+    assert torch.equal(ht1, ht0), f"ht: max diff {float((ht1 - ht0).abs().max()):.3g}"
+
+
 WARM_GRAPH = Case("cp-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 

@@ -96,6 +96,26 @@ def test_scan_fwd(case):
     assert_close("h", H[:used], serial[:used].double(), tol=TOL)
 
 
+HEADS_CASES = [CASES[0], CASES[3], CASES[5]]
+
+
+@pytest.mark.parametrize("case", HEADS_CASES, ids=[c.name for c in HEADS_CASES])
+def test_scan_fwd_heads_mask(case):
+    """`scan_fwd(heads=...)` walks only the masked heads: their states and final states equal the unmasked scan's
+    bit for bit; the other heads' slots are not written (a NaN-filled H stays NaN there)."""
+    plan, parts = _plan(case, "cuda")
+    M, E, h0 = _inputs(case, plan.P, plan.N, "cuda")
+    part_cu = cp_scan.part_offsets(plan.last_index)
+    heads = torch.arange(case.HV, device="cuda") % 3 == 1
+    full = cp_scan.scan_fwd(M, E, h0, part_cu, final=case.final, bv=case.bv)
+    some = cp_scan.scan_fwd(M, E, h0, part_cu, final=case.final, bv=case.bv, heads=heads)
+    for name, a, b in zip(("H", "final"), full if case.final else (full,), some if case.final else (some,)):
+        assert torch.equal(a[:, heads], b[:, heads]), f"{name}: masked heads differ from the full scan"
+        assert bool(b[:parts.P, ~heads].isnan().all()), f"{name}: an unmasked head was written"
+    with pytest.raises(ValueError, match="heads"):
+        cp_scan.scan_fwd(M, E, h0, part_cu, heads=heads[:-1])
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_scan_bwd(case):
     plan, parts = _plan(case, "cuda")
@@ -149,8 +169,9 @@ def builds() -> list:
     for case in todo:
         plan, _ = _plan(case, "cpu")
         bv = case.bv or cp_scan.choose_bv(plan.N, case.HV, case.V, K=case.K)
-        for reverse in (False, True):
+        for reverse, mask in ((False, False), (True, False)) + (((False, True),) if case in HEADS_CASES else ()):
             a = cp_scan.builder_args(case.HV, case.K, case.V, bv, reverse=reverse, has_init=case.init,
-                                     store_final=case.final)
-            out.setdefault(a, (f"{case.name}: cp_scan reverse={reverse}", cp_scan.build, a))
+                                     store_final=case.final, has_heads=mask)
+            out.setdefault(a, (f"{case.name}: cp_scan reverse={reverse}" + (" heads" if mask else ""),
+                               cp_scan.build, a))
     return list(out.values())

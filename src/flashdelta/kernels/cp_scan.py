@@ -100,11 +100,13 @@ def _tf32_hi(x):
 
 
 @_tl.jit(pass_configs=PASS_CONFIGS)
-def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store_final: bool):
+def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store_final: bool,
+          has_heads: bool = False):
     """The kernel for one compile-time configuration; P (partition slots) and N (sequences) are dynamic.
 
     reverse: the backward walk (last slot first, ``M^T``); has_init: read the start value (h0 / dht; else 0);
-    store_final: also run the first / last partition's product and write it (final state / dh0)."""
+    store_final: also run the first / last partition's product and write it (final state / dh0); has_heads: an
+    ``[HV]`` int32 input, the CTAs of a value head whose entry is 0 exit at once (its slots of H are not written)."""
     # problem config
     assert unsupported(K, V, BV) is None, unsupported(K, V, BV)
     NV = V // BV
@@ -145,6 +147,7 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
         part_cu: T.Tensor((N_ + 1,), "int32"),
         H: T.Tensor((P_, HV, K, V), F32),
         final: opt((N_, HV, K, V), store_final),
+        heads: T.Tensor((HV,), "int32") if has_heads else None,
     ):
         with T.Kernel((N_ + 1) * HV * NV, threads=THREADS) as bx:
             i_n = bx // (HV * NV)
@@ -163,7 +166,9 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
             p0, p1 = rng[0], rng[1]
             n64 = T.cast(i_n, "int64")
 
-            if i_n < N_:
+            # a head of `heads` that no partition needs: nothing to walk
+            live = (i_n < N_) & (heads[i_hv] != 0) if has_heads else i_n < N_
+            if live:
                 cnt = p1 - p0
                 nmul = T.if_then_else(cnt > 0, cnt if store_final else cnt - 1, 0)
 
@@ -209,10 +214,11 @@ def build(HV: int, K: int, V: int, BV: int, reverse: bool, has_init: bool, store
                     for i, c in T.Parallel(K, BV):
                         final[n64, i_hv, i, v0 + c] = acc[i, c]
             else:
-                # ---- the padding row: zeros in every unused slot ----
-                for p in T.serial(P_ - p1):
-                    for i, c in T.Parallel(K, BV):
-                        H[T.cast(p1 + p, "int64"), i_hv, i, v0 + c] = 0.0
+                if i_n == N_:
+                    # ---- the padding row: zeros in every unused slot ----
+                    for p in T.serial(P_ - p1):
+                        for i, c in T.Parallel(K, BV):
+                            H[T.cast(p1 + p, "int64"), i_hv, i, v0 + c] = 0.0
 
     return cp_scan_kernel
 
@@ -228,16 +234,19 @@ def choose_bv(N: int, HV: int, V: int, num_sms: int = _tl.DEFAULT_NUM_SMS, K: in
     return 32
 
 
-def builder_args(HV: int, K: int, V: int, BV: int, *, reverse: bool, has_init: bool, store_final: bool) -> tuple:
-    """The `build` arguments (its compile-cache key) for one call."""
-    return (int(HV), int(K), int(V), int(BV), bool(reverse), bool(has_init), bool(store_final))
+def builder_args(HV: int, K: int, V: int, BV: int, *, reverse: bool, has_init: bool, store_final: bool,
+                 has_heads: bool = False) -> tuple:
+    """The `build` arguments (its compile-cache key) for one call (without `has_heads` the key it had before)."""
+    return (int(HV), int(K), int(V), int(BV), bool(reverse), bool(has_init), bool(store_final)) + \
+        ((True,) if has_heads else ())
 
 
 def launcher_builds(HV: int, K: int, V: int, *, N: Optional[int] = None, num_sms: int = _tl.DEFAULT_NUM_SMS,
-                    backward: bool = False, init=(False, True), store_final=(False,)) -> list:
+                    backward: bool = False, init=(False, True), store_final=(False,), heads=(False,)) -> list:
     """(label, builder, args) of the scan kernels CP launches for HV value heads and head dims (K, V): the forward
     scan (`scan_fwd`), with `backward` also the reverse one (`scan_bwd`), with and without the start value (h0 /
-    dht) per `init`, at the V tile `choose_bv` picks for N sequences (every tile it can pick where N is None)."""
+    dht) per `init`, at the V tile `choose_bv` picks for N sequences (every tile it can pick where N is None);
+    `heads` (True: the forward's builds with the per-head mask, `scan_fwd(heads=...)`)."""
     if N is None:
         tiles = [bv for bv in BV_OPTIONS if unsupported(K, V, bv) is None]
     else:
@@ -247,10 +256,11 @@ def launcher_builds(HV: int, K: int, V: int, *, N: Optional[int] = None, num_sms
         for has_init in init:
             for store in store_final:
                 for BV in tiles:
-                    label = (f"cp_scan {'bwd' if reverse else 'fwd'} HV={HV} K={K} V={V} BV={BV} init={has_init} "
-                             f"final={store}")
-                    out.append((label, build, builder_args(HV, K, V, BV, reverse=reverse, has_init=has_init,
-                                                           store_final=store)))
+                    for mask in heads if not reverse else (False,):
+                        label = (f"cp_scan {'bwd' if reverse else 'fwd'} HV={HV} K={K} V={V} BV={BV} "
+                                 f"init={has_init} final={store}" + (" heads" if mask else ""))
+                        out.append((label, build, builder_args(HV, K, V, BV, reverse=reverse, has_init=has_init,
+                                                               store_final=store, has_heads=mask)))
     return out
 
 
@@ -289,21 +299,27 @@ def _check(M: torch.Tensor, X: torch.Tensor, init: Optional[torch.Tensor], part_
     return P, N, HV, K, V, BV
 
 
-def _scan(M, X, init, part_cu, *, reverse: bool, final: bool, names: tuple, bv: Optional[int]):
+def _scan(M, X, init, part_cu, *, reverse: bool, final: bool, names: tuple, bv: Optional[int],
+          heads: Optional[torch.Tensor] = None):
     P, N, HV, K, V, BV = _check(M, X, init, part_cu, names, bv)
+    if heads is not None and (tuple(heads.shape) != (HV,) or heads.is_floating_point() or heads.device != X.device):
+        raise ValueError(f"heads: a bool or integer [HV] = [{HV}] tensor on {X.device}, got {heads.dtype} "
+                         f"{tuple(heads.shape)} on {heads.device}")
     out = _tl.alloc((P, HV, K, V), torch.float32, X.device)
     last = _tl.alloc((N, HV, K, V), torch.float32, X.device) if final else None
     if P == 0:
         return (out, last.zero_() if init is None else last.copy_(init)) if final else out
-    args = builder_args(HV, K, V, BV, reverse=reverse, has_init=init is not None, store_final=final)
+    args = builder_args(HV, K, V, BV, reverse=reverse, has_init=init is not None, store_final=final,
+                        has_heads=heads is not None)
     init = init.contiguous() if init is not None else None
-    tensors = [M.contiguous(), X.contiguous(), init, part_cu.to(torch.int32).contiguous(), out, last]
+    heads = heads.to(torch.int32).contiguous() if heads is not None else None
+    tensors = [M.contiguous(), X.contiguous(), init, part_cu.to(torch.int32).contiguous(), out, last, heads]
     build(*args)(*[t for t in tensors if t is not None])
     return (out, last) if final else out
 
 
 def scan_fwd(M: torch.Tensor, E: torch.Tensor, h0: Optional[torch.Tensor], part_cu: torch.Tensor, *,
-             final: bool = False, bv: Optional[int] = None):
+             final: bool = False, bv: Optional[int] = None, heads: Optional[torch.Tensor] = None):
     """Every partition's start state, in one launch (`flashdelta.cp.scan_serial`'s result).
 
     Args:
@@ -314,13 +330,16 @@ def scan_fwd(M: torch.Tensor, E: torch.Tensor, h0: Optional[torch.Tensor], part_
             ``part_cu[n] .. part_cu[n + 1] - 1`` (`part_offsets`); slots past ``part_cu[N]`` are unused.
         final: also return each sequence's final state ``M_last H[last] + E_last`` (one more step per sequence).
         bv: the V tile (8 at K = 128, 16 or 32); None: `choose_bv`'s.
+        heads: None, or ``[HV]`` bool or integer on E's device: only the value heads where it is nonzero are
+            walked; the others' slots of H (and of the final state) are not written. Context parallelism's forward
+            scans only the heads whose start states need it, and the CTAs of the others leave their SMs at once.
 
     Returns:
         H ``[P, HV, K, V]`` fp32 (K-first): ``H[first] = h0[n]``, ``H[p + 1] = M_p H[p] + E_p``; 0 on unused slots.
         With `final`: ``(H, final_state [N, HV, K, V])``. One launch of (N + 1) x HV x V / BV CTAs; no host
         synchronisation; M and E of unused slots are never read.
     """
-    return _scan(M, E, h0, part_cu, reverse=False, final=final, names=("M", "E", "h0"), bv=bv)
+    return _scan(M, E, h0, part_cu, reverse=False, final=final, names=("M", "E", "h0"), bv=bv, heads=heads)
 
 
 def scan_bwd(M: torch.Tensor, F: torch.Tensor, dht: Optional[torch.Tensor], part_cu: torch.Tensor, *,

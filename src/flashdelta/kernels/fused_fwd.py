@@ -674,7 +674,7 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None, save_states=False, state_seqs=None, wide=False):
+              transitions=False, transition_skip=None, save_states=False, state_seqs=None, wide=False, out=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -711,6 +711,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         wide: at K = V = 128 only, without the options above: one CTA of 512 threads per (sequence, value head)
             (kernels/fused_fwd_wide.py: two state warpgroups, one V half each, sharing one prep warpgroup), same
             results bit for bit; the API's pick where its CTAs fill whole waves (`cp_model.wide_pays`).
+        out: None, or the ``[1, T, HV, V]`` contiguous tensor in v.dtype that o is written into (returned as o); not
+            with states_only. With chunk_skip only the chunks walked (and the padding tail's zeros) are written, so
+            two launches over complementary skips fill one o (context parallelism's output pass, `flashdelta.cp`).
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
@@ -725,7 +728,7 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=save_states,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
-                           transition_skip=transition_skip, state_seqs=state_seqs, wide=wide)
+                           transition_skip=transition_skip, state_seqs=state_seqs, wide=wide, out=out)
     return (o, ht) if partition_starts is None and not transitions and not save_states else (o, ht, third)
 
 
@@ -742,11 +745,11 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-            transitions=False, transition_skip=None, state_seqs=None, wide=False):
+            transitions=False, transition_skip=None, state_seqs=None, wide=False, out=None):
     """Both launchers' body: (o, ht, None), (o, ht, hs) with save_states, (o, ht, starts) with partition_starts,
     or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
-    `transitions`, `transition_skip`, `state_seqs` and `wide` as `chunk_fwd` takes them (`zero_values` not with
-    save_states)."""
+    `transitions`, `transition_skip`, `state_seqs`, `wide` and `out` as `chunk_fwd` takes them (`zero_values` not
+    with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -763,7 +766,10 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
     A = A.to(q.dtype)                                           # no copy when it already is
     dev = q.device
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    o = None if states_only else _tl.alloc((1, T_, HV, V), v.dtype, dev)
+    if out is not None:
+        assert not states_only and tuple(out.shape) == (1, T_, HV, V) and out.dtype == v.dtype \
+            and out.device == dev and out.is_contiguous(), "out: a contiguous [1, T, HV, V] tensor like v"
+    o = None if states_only else out if out is not None else _tl.alloc((1, T_, HV, V), v.dtype, dev)
     ht = _tl.alloc(state_shape, torch.float32, dev)
     hs = h_seq = None
     if save_states:

@@ -649,8 +649,9 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
                                                                                             win.skip_e),
                          states_only=True, **kw)
     start = E_win.roll(1, 0)                            # slot p starts from the window of slot p - 1
+    del E_win
     h_first = h0.index_select(0, plan.seq) if h0 is not None else start.new_zeros(())
-    start = torch.where(plan.first[:, None, None, None], h_first, start)
+    torch.where(plan.first[:, None, None, None], h_first, start, out=start)
     _, ht_warm = chunk_fwd(q, k, v, g_cumsum, beta, A, start, plan.cu, chunk_skip=torch.where(exact, none, zero),
                            out=o, **kw)
     streams.join(side)

@@ -2,10 +2,11 @@
 keep every operand in registers (no ptxas spills, no stack frame) and run their products as tf32 mma.sync, three per
 tile (3xTF32); its build table, the V-tile choice, the plan offsets and the launchers' argument checks.
 
-The four builds (~4 s each, compiled with their ptxas reports in the session's one compile pool, tests/conftest.py
+The five builds (~4 s each, compiled with their ptxas reports in the session's one compile pool, tests/conftest.py
 `sm90_kernels`): the forward at K = V = 128 with h0 and 16-column tiles, the backward at V = 256 with dht, dh0 and
-32-column tiles (the most registers), the forward at K = V = 64 without h0, with the final state, and the backward at
-K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans).
+32-column tiles (the most registers), the forward at K = V = 64 without h0, with the final state, the backward at
+K = V = 128 with 8-column tiles (256 threads: 2/8 1x32768's scans), and the forward at 8-column tiles with the head
+mask (its CTAs of unmasked heads exit before the first barrier: the barrier count stays two).
 tests/gpu/test_cp_scan.py runs them on the GPU.
 """
 import re
@@ -25,6 +26,9 @@ BUILDS = {
     "bwd-v256-bv32-dht-dh0": cp_scan.builder_args(8, 128, 256, 32, reverse=True, has_init=True, store_final=True),
     "fwd-64-final": cp_scan.builder_args(4, 64, 64, 16, reverse=False, has_init=False, store_final=True),
     "bwd-128-bv8-dht": cp_scan.builder_args(8, 128, 128, 8, reverse=True, has_init=True, store_final=False),
+    # the head mask of context parallelism's overlapped forward (`scan_fwd(heads=...)`)
+    "fwd-128-bv8-h0-heads": cp_scan.builder_args(8, 128, 128, 8, reverse=False, has_init=True, store_final=False,
+                                                 has_heads=True),
 }
 
 
@@ -42,6 +46,7 @@ def test_cp_scan_build_compiles_without_spills(sm90_build, sm90_kernels, tmp_pat
     assert mmas and len(mmas) % 3 == 0 and "wgmma" not in src, "the products are tf32 mma.sync m16n8k8"
     assert f"__launch_bounds__({cp_scan.threads(K)}" in src
     assert "cp_async" in src and src.count("__syncthreads()") == 2         # two barriers per step
+    assert ("heads[" in src) == (len(sm90_build[2]) > 7), "the head mask is read exactly in its builds"
     report = ptxas_report(src, tmp_path, "cp_scan")
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
@@ -104,6 +109,10 @@ def test_launcher_argument_checks():
         cp_scan.scan_fwd(M, E, None, cu[:1])
     with pytest.raises(ValueError, match="K=32"):
         cp_scan.scan_fwd(torch.zeros(4, 2, 32, 32), torch.zeros(4, 2, 32, 64), None, cu)
+    with pytest.raises(ValueError, match="heads"):
+        cp_scan.scan_fwd(M, E, None, cu, heads=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="heads"):
+        cp_scan.scan_fwd(M, E, None, cu, heads=torch.ones(2))
 
 
 def test_gpu_tier_scan_builds_are_valid():

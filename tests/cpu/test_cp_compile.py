@@ -16,7 +16,7 @@ pytest.importorskip("tilelang")
 from _builds import build_params, build_rows, hang_checks, pooled, ptxas_report  # noqa: E402
 
 from flashdelta import cp  # noqa: E402
-from flashdelta.kernels import chunk_dstate, cp_plan, cp_windows, item_order  # noqa: E402
+from flashdelta.kernels import chunk_dstate, cp_plan, cp_windows, fused_fwd, item_order  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -73,6 +73,31 @@ def test_plan_kernel_compiles_and_is_listed(tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     assert re.search(r"\b0 bytes stack frame", report), report
+
+
+# the overlapped forward's fused-forward builds (`cp._output_overlapped`) at the benchmark rows' dims (2/8, bf16, fp32
+# beta): the windows' E pass alone (states only, chunk_skip, no h0) and the output pass over a chunk_skip (fp32 h0)
+OVERLAP_BUILDS = {
+    "e-pass": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5, False,
+                                     False) + fused_fwd._flags(False, True, False, True),
+    "output-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                          True, False) + fused_fwd._flags(False, True, False, False),
+}
+
+
+def test_overlap_builds_are_listed_where_cp_lists_its_builds():
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    assert all((fused_fwd.build.__name__, a) in keys for a in OVERLAP_BUILDS.values())
+
+
+@pytest.mark.parametrize("sm90_build", build_params(build_rows(fused_fwd.build, OVERLAP_BUILDS)))
+def test_overlap_builds_compile_and_pass_the_checks(sm90_build, sm90_kernels):
+    """Both compile for sm_90a, pass the hang checks and read the per-(sequence, head) skip."""
+    kernel = pooled(sm90_kernels, sm90_build)
+    src = kernel.get_kernel_source()
+    assert hang_checks(src, kernel.get_host_source()) == []
+    sig = src[src.index("chunk_fwd_kernel_kernel("):].split(")", 1)[0]
+    assert "const int* __restrict__ skip" in sig
 
 
 WINDOWS_BUILDS = {

@@ -70,6 +70,24 @@ def row_inputs(row: str, requires_grad: bool) -> tuple:
     return hh, sl, providers.make_inputs(shapes.parse_seqlens(sl), h, hv, seed=0, requires_grad=requires_grad)
 
 
+def patched_runners(run, variants: dict, patch, stream) -> tuple:
+    """({name: run's outputs cloned}, {name: CUDA-graph runner of run}) under each variant: `patch(value)` puts variant
+    `value` in place and returns a callable that restores the shipped code, called once its graph is captured."""
+    import timing
+
+    outs, runners = {}, {}
+    for name, value in variants.items():
+        restore = patch(value)
+        try:
+            with torch.cuda.stream(stream):
+                outs[name] = [x.clone() for x in run()]
+            stream.synchronize()
+            runners[name] = timing.make_runner(run, stream=stream, allow_eager=False)
+        finally:
+            restore()
+    return outs, runners
+
+
 def outputs_and_times(mods: dict, call, stream) -> tuple:
     """({name: call(module)()}, {name: CUDA-graph median ms}), the modules interleaved (`timing.time_runners`)."""
     import timing

@@ -28,7 +28,7 @@ def main() -> int:
     a = ap.parse_args()
     os.environ.setdefault("FLASHDELTA_BACKEND", "sm90")
     import timing
-    from ab_chunk_bwd import row_inputs
+    from ab_chunk_bwd import patched_runners, row_inputs
 
     from flashdelta import chunk_gated_delta_rule, cp
 
@@ -50,17 +50,12 @@ def main() -> int:
         real_fwd, real_over = cp.cp_chunk_fwd, cp._output_overlapped
         cp.cp_chunk_fwd = lambda *args, **kw: used.append(("L", kw["plan"].L)) or real_fwd(*args, **kw)
         cp._output_overlapped = lambda *args, **kw: used.append(("overlap", 1)) or real_over(*args, **kw)
-        runners, outs = {}, {}
+        def patch(pred):
+            cp._overlaps = pred
+            return lambda: setattr(cp, "_overlaps", overlaps)
+
         try:
-            for name, pred in variants.items():
-                cp._overlaps = pred
-                try:
-                    with torch.cuda.stream(stream):
-                        outs[name] = [x.clone() for x in run()]
-                    stream.synchronize()
-                    runners[name] = timing.make_runner(run, stream=stream, allow_eager=False)
-                finally:
-                    cp._overlaps = overlaps
+            outs, runners = patched_runners(run, variants, patch, stream)
         finally:
             cp.cp_chunk_fwd, cp._output_overlapped = real_fwd, real_over
         t = timing.time_runners(runners, stream=stream, flush=None)

@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", default=list(ROWS), help="H/HV:seqlens")
     a = ap.parse_args()
     import timing
-    from ab_chunk_bwd import row_inputs
+    from ab_chunk_bwd import patched_runners, row_inputs
     from profile_bwd import backward_fn
 
     from flashdelta import cp, streams
@@ -42,16 +42,14 @@ def main() -> int:
         hh, sl, inp = row_inputs(row, requires_grad=True)
         with torch.cuda.stream(stream):
             run = backward_fn(inp, l2norm=False)
-        runners, outs = {}, {}
-        for name, (f, b) in variants.items():
-            streams.fork, cp._dqk_buffers = f, b
-            try:
-                with torch.cuda.stream(stream):
-                    outs[name] = [x.clone() for x in run()]
-                stream.synchronize()
-                runners[name] = timing.make_runner(run, stream=stream, allow_eager=False)
-            finally:
+        def patch(fb):
+            streams.fork, cp._dqk_buffers = fb
+
+            def restore():
                 streams.fork, cp._dqk_buffers = fork, buffers
+            return restore
+
+        outs, runners = patched_runners(run, variants, patch, stream)
         t = timing.time_runners(runners, stream=stream, flush=None)
         same = all(torch.equal(x, y) for v in ("side", "fill") for x, y in zip(outs["serial"], outs[v]))
         s, d, f = t["serial"].ms, t["side"].ms, t["fill"].ms

@@ -34,7 +34,8 @@ def main() -> int:
     from flashdelta import cp, streams
 
     fork, buffers = streams.fork, cp._dqk_buffers
-    variants = {"serial": (lambda device: None, buffers), "side": (fork, lambda *a: None), "fill": (fork, buffers)}
+    variants = {"serial": (lambda device, **kw: None, buffers), "side": (fork, lambda *a: None),
+                "fill": (fork, buffers)}
     stream = torch.cuda.Stream()
     print(f"{'heads':>6} {'seqlens':>40} {'serial ms':>10} {'side ms':>10} {'fill ms':>10} {'fill/side':>10} "
           f"{'fill/serial':>12}  gradients", flush=True)

@@ -625,9 +625,9 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
 
     A (partition, head) needs the scan only where the partition before walked the exact path (``win.fallback``);
     the others start from h0 (a sequence's first partition) or from the window of the partition before (its E from
-    a zero start, the scan's ``M_p = 0`` step). So on the side stream (`flashdelta.streams`, above the default
-    priority) run the critical path: the M and E passes (`summaries`), the scan of the heads that need it, and the
-    output pass of those (partition, head)s; and beside it on the current stream: the windows' E pass alone (the
+    a zero start, the scan's ``M_p = 0`` step). So on the urgent side stream (`flashdelta.streams`, above the
+    default priority) run the critical path: the M and E passes (`summaries`), the scan of the heads that need it,
+    and the output pass of those (partition, head)s; and beside it on the current stream: the windows' E pass alone (the
     fallback heads skipped: a few chunks a CTA), their start states (one shift by a slot), and the output pass of the
     other (partition, head)s, into the same o (`chunk_fwd(out=...)`, complementary `chunk_skip`s). The final states
     are taken from the launch that walked each sequence's last partition."""
@@ -639,7 +639,7 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
 
     o = _tl.alloc(v.shape, v.dtype, v.device)           # before the fork: both streams write it
     kw = dict(scale=scale, state_v_first=False)
-    side = streams.fork(q.device)
+    side = streams.fork(q.device, urgent=True)
     with streams.on(side):
         M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=chunk_fwd, windows=win)
         H = scan_states(M, E, plan, h0, scan or ("kernel" if _kernel_scan(E, kset) else None), heads=exact.any(0))

@@ -7,10 +7,10 @@ work enqueued under ``on(side)`` then runs beside the current stream's, and `joi
 the current stream wait for it before anything reads its results. Both are events on the device, no host
 synchronisation, so CUDA-graph capture records the fork and the join as graph edges.
 
-The side stream's priority is above the default (-1 against 0): where both streams have CTAs waiting, the block
-scheduler gives freed SMs to the side stream's first, so callers put the critical path there (context
-parallelism's forward: the M pass, scan and output pass of the heads on the exact path, beside the warm-up heads'
-output pass).
+`fork(device, urgent=True)` gives a second side stream whose priority is above the default (-1 against 0): where
+both streams have CTAs waiting, the block scheduler gives freed SMs to its CTAs first, so a caller puts its critical
+path there (context parallelism's forward: the M pass, scan and output pass of the heads on the exact path, beside
+the warm-up heads' output pass on the current stream).
 
 Memory: a tensor allocated under the side stream returns to that stream's pool when freed, and the side stream only
 takes new work after a `fork`, which orders it after everything the current stream had enqueued, including the reads
@@ -23,17 +23,18 @@ from typing import Optional
 
 import torch
 
-_SIDE: dict = {}        # CUDA device index -> its side stream, made at first use
+_SIDE: dict = {}        # (CUDA device index, urgent) -> its side stream, made at first use
 
 
-def fork(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """The side stream of `device`, waiting for the current stream's work so far; None where `device` is not CUDA."""
+def fork(device: torch.device, *, urgent: bool = False) -> Optional[torch.cuda.Stream]:
+    """The side stream of `device` (`urgent`: the one at priority -1, above the default 0), waiting for the current
+    stream's work so far; None where `device` is not CUDA."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDE.get(index)
+    side = _SIDE.get((index, urgent))
     if side is None:
-        side = _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)          # above the default 0
+        side = _SIDE[index, urgent] = torch.cuda.Stream(device=index, priority=-1 if urgent else 0)
     side.wait_stream(torch.cuda.current_stream(index))
     return side
 

@@ -676,10 +676,10 @@ def test_side_stream_backward_equals_one_stream(i, mode, monkeypatch):
         split_backward_only(monkeypatch)
     x, do, dht = _bwd_inputs(case, with_dht=True)
     forks, fork = [], streams.fork
-    monkeypatch.setattr(streams, "fork", lambda device: forks.append(fork(device)) or forks[-1])
+    monkeypatch.setattr(streams, "fork", lambda device, **kw: forks.append(fork(device, **kw)) or forks[-1])
     _, side = _cp_grads(x, L, do, dht)
     assert forks and all(s is not None for s in forks), "the backward forks the side stream"
-    monkeypatch.setattr(streams, "fork", lambda device: None)
+    monkeypatch.setattr(streams, "fork", lambda device, **kw: None)
     _, one = _cp_grads(x, L, do, dht)
     for n in one:
         assert torch.equal(side[n], one[n]), f"{GRAD_NAMES[n]}: side stream vs one stream"

@@ -40,6 +40,10 @@ cp_scan_bench.py, 32 partitions; docs/dev/cp.md): the backward's step 2.7-2.8 ->
 Without `store_final` the last partition's product is skipped (the caller's output pass gives the final state), so
 a sequence of J partitions runs J - 1 steps.
 
+With a head mask (`scan_fwd(heads=...)`, the `has_heads` builds) the CTAs of a value head whose entry is 0 exit
+before their first load: context parallelism's overlapped forward scans only the heads whose start states need the
+scan, so the others' CTAs hold no SM while the warm-up heads' output pass runs beside the scan.
+
 The extra sequence index N zero-fills the unused slots ``part_cu[N] .. P - 1`` of H (the plan's empty partitions at
 the end), so no slot of H is left undefined; no kernel reads M or the bias of an unused slot. ``part_cu`` is clamped
 to ``[0, P]`` on the device, so malformed offsets cannot make the kernel read or write out of bounds. Slot offsets are

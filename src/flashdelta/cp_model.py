@@ -352,7 +352,9 @@ def predict(*, T: int, N: int, HV: int, K: int, V: int, L: int, sms: int, length
     CTAs exit at once). `warmup` (None: what `FLASHDELTA_CP_WARMUP` gives bf16 inputs, `warmup_threshold`): the
     warm-up may run; it runs where `warmup_pays` (``warmup`` in the result), and then ``cp`` is its expected time
     and ``cp_worst`` the same launches where every head falls back (the exact path's time plus `WARMUP_US`).
-    Otherwise both are the exact path's time."""
+    Otherwise both are the exact path's time. On the SM90 path the warm-up heads' output pass runs beside the exact
+    heads' M pass and scan (`cp._output_overlapped`); the model still adds the passes in series (an upper bound)
+    until bench/dev/fit_cp.py has timed the overlap."""
     if warmup is None:
         warmup = warmup_threshold(parse_warmup(None), torch.bfloat16) is not None
     chunks = _seq_chunks(T, N, lengths if seq_len is None else [seq_len] * N)

@@ -295,6 +295,30 @@ def test_overlapped_output_pass_equals_one_launch(case, L, thr, monkeypatch):
         assert_close("final", ht1, ht0, tol=1e-13)
 
 
+def test_overlapped_output_pass_with_a_head_on_both_paths(monkeypatch):
+    """One token outside the contraction bound sends a decaying head's first partition to the exact path while its
+    later partitions warm up: the overlapped output pass's scan walks that head through partitions of both kinds,
+    and its two output launches split the head's partitions; o and the final state equal the one-launch path's."""
+    case, L, thr = WINDOW_CASES[0]
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, warmup=thr)
+    h = 5                                                    # a decaying head
+    beta = beta.clone()
+    beta[0, int(plan.cu[0]) + 10, h] = 2.5                   # b ||k||^2 > 2 in partition 0
+    win = cp.windows(g_cumsum, k, beta, plan, thr)
+    assert bool(win.fallback[0, h]) and not bool(win.fallback[1, h]), "head 5: partition 0 exact, 1 warm"
+    backends = dispatch.plan(torch.device("cpu"), case.K, case.V, F64, need_bwd=False)
+    monkeypatch.setenv("FLASHDELTA_POISON", "1")
+    runs = []
+    for overlap in (False, True):
+        monkeypatch.setattr(cp, "_overlaps", lambda *a, on=overlap: on)
+        runs.append(cp.cp_chunk_fwd(q, k, v, g_cumsum, beta, A, x["initial_state"], cu, scale=0.25, plan=plan,
+                                    backends=backends))
+    (o0, ht0), (o1, ht1) = runs
+    assert_close("o", o1, o0, tol=1e-13)
+    assert_close("final", ht1, ht0, tol=1e-13)
+
+
 # (case, partition chunks, threshold, minimum tightness err / bound over the boundaries)
 BOUND_CASES = [
     # head dim 128, benchmark gates: the realistic setting; a threshold where the truncation is far above rounding

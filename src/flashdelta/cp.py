@@ -633,16 +633,19 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
     are taken from the launch that walked each sequence's last partition."""
     HV = v.shape[2]
     exact = torch.cat([win.fallback.new_zeros(1, HV), win.fallback[:-1]]) & ~plan.first[:, None]   # [P, HV]
+    scanned = exact.any(0)                              # [HV]: the heads the scan walks
     none = torch.full_like(win.skip_e, SKIP_ALL)
     zero = torch.zeros_like(win.skip_e)
+    # the summaries walk E only for the scanned heads: the others' windows are the current stream's E pass
+    win_scanned = win._replace(skip_e=torch.where(scanned, win.skip_e, none))
     from .kernels import _tl  # noqa: PLC0415 - no TileLang: the launchers' output allocation (NaN under the tests)
 
     o = _tl.alloc(v.shape, v.dtype, v.device)           # before the fork: both streams write it
     kw = dict(scale=scale, state_v_first=False)
     side = streams.fork(q.device, urgent=True)
     with streams.on(side):
-        M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=chunk_fwd, windows=win)
-        H = scan_states(M, E, plan, h0, scan or ("kernel" if _kernel_scan(E, kset) else None), heads=exact.any(0))
+        M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=chunk_fwd, windows=win_scanned)
+        H = scan_states(M, E, plan, h0, scan or ("kernel" if _kernel_scan(E, kset) else None), heads=scanned)
         _, ht_exact = chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, chunk_skip=torch.where(exact, zero, none),
                                 out=o, **kw)
     _, E_win = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, chunk_skip=torch.where(win.fallback, none,
@@ -699,16 +702,16 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     if _overlaps(win, q, kset, save_states):
         o, final = _output_overlapped(q, k, v, g_cumsum, beta, A, h0, plan, win, scale=scale, chunk_fwd=launch,
                                       scan=scan, kset=kset)
-        return o, (final.transpose(-1, -2).contiguous() if state_v_first else final)
-    M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
-    scan = scan or ("kernel" if _kernel_scan(E, kset) else None)
-    H = scan_states(M, E, plan, h0, scan)
-    if save_states:
-        o, ht, states = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
-                               save_states=True, state_seqs=(plan.seq, plan.N))
     else:
-        o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
-    final = ht.index_select(0, plan.last_index)
+        M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
+        scan = scan or ("kernel" if _kernel_scan(E, kset) else None)
+        H = scan_states(M, E, plan, h0, scan)
+        if save_states:
+            o, ht, states = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False,
+                                   save_states=True, state_seqs=(plan.seq, plan.N))
+        else:
+            o, ht = launch(q, k, v, g_cumsum, beta, A, H, plan.cu, scale=scale, state_v_first=False)
+        final = ht.index_select(0, plan.last_index)
     if state_v_first:
         final = final.transpose(-1, -2).contiguous()
     return (o, final, states) if save_states else (o, final)

@@ -17,16 +17,16 @@ one float64 addition after the other from 0 (the order of torch's cumsum over a 
 
 One CTA per (slot, key head) for the key head's HV // H value heads: the gates of `LT` chunks at a time staged in
 shared memory, one thread per value head adding them in order; then (slots that decide only) the partition's tokens
-in tiles of `TB` tokens, k's and beta's rows of a tile brought into shared memory by a TMA pipeline of `NS` stages
-(TileLang's warp-specialised `T.Pipelined`: a producer warpgroup issues the loads, `THREADS` consumers check), so
-NS - 1 tiles are in flight while one is checked. Loading one tile ahead into registers instead, a 2048-token partition
-cost one load round trip per tile: the pipeline took 2/8 and 4/16 1x32768 from 17.9-18.8 to 15.3-16.0 us and 2/4 from
-17.9 to 14.1 (H100, forward and backward alike; with `keys_normalized`, which reads beta alone, within +-1.3 us of the
-register version; docs/dev/cp.md). The
-checks: the squared key norms in fp32 (k read once; their sum order and fast-math rounding may differ from torch's
-`vector_norm` in the last bits, so a product within a few ulps of the limit may decide differently), the products
-``beta ||k||^2`` in beta's promotion with fp32 (float64 for float64 beta) and a shared flag per value head. Rows past
-T come in as zeros from the TMA and rows past the partition's tokens are not checked.
+in tiles of `TB` tokens, k's rows of a tile brought into shared memory by a TMA pipeline of `NS` stages (TileLang's
+warp-specialised `T.Pipelined`: a producer warpgroup issues the loads, `THREADS` consumers check) and beta's three
+tiles ahead in registers, so NS - 1 tiles are in flight while one is checked. Loading one tile ahead into registers
+instead, a 2048-token partition cost one load round trip per tile: the pipeline took 2/8 and 4/16 1x32768 from
+17.9-18.8 to 15.3-16.0 us and 2/4 from 17.9 to 14.1 (H100, forward and backward alike; with `keys_normalized`, which
+reads beta alone, within +-1.3 us of the register version; docs/dev/cp.md). The checks: the squared key norms in
+fp32 (k read once; their sum order and fast-math rounding may differ from torch's `vector_norm` in the last bits, so
+a product within a few ulps of the limit may decide differently), the products ``beta ||k||^2`` in beta's promotion
+with fp32 (float64 for float64 beta) and a shared flag per value head. Rows past T come in as zeros from the TMA and
+rows past the partition's tokens are not checked.
 The torch code (`cp.windows`, `cp.grad_windows`) stays the exact path and the portable one.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.

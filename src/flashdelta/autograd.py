@@ -38,6 +38,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from . import cp, dispatch
 from .cp_model import ENV_SAVE_STATES, save_states_enabled
 from .gates import beta_activation_bwd, gdn_gate_bwd
+from .numerics import accum_dtype
 from .stages import KernelSet, aligned
 
 
@@ -67,11 +68,6 @@ def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
     if x is None:
         return None
     return aligned(x.to(kset.param_dtype(x.dtype)))
-
-
-def _gate_dtype(q: Tensor) -> torch.dtype:
-    """The gate is fp32 end to end; float64 inputs (gradcheck, references) keep float64."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 # the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
@@ -138,7 +134,7 @@ def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: 
     B, T, H, K = q.shape
     HV = v.shape[2]
     plan = plan or dispatch.plan(q.device, K, v.shape[3], q.dtype, need_bwd=True)
-    gd = _gate_dtype(q)
+    gd = accum_dtype(q.dtype)
     a_dtype = gd if plan.backends["prepare_fwd"] == dispatch.PORTABLE else q.dtype
     l2 = use_qk_l2norm and plan.backends["l2norm_fwd"] != dispatch.PORTABLE
     return [((1, B * T, HV), gd), ((1, B * T, HV, cp.BT), a_dtype), ((1, B * T, HV), gd) if beta_act else None,
@@ -155,7 +151,7 @@ def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor
     take it: the activated beta with beta_act, else the flat input)."""
     ks = plan.kset("prepare_fwd")
     gf, bf = _flat(g), _flat(beta)
-    gf = _param(gf, ks) if A_log is not None else gf.to(_gate_dtype(q))
+    gf = _param(gf, ks) if A_log is not None else gf.to(accum_dtype(q.dtype))
     out = ks.prepare_fwd(kf, gf, _param(bf, ks), cu, A_log=A_log, dt_bias=dt_bias, beta_act=beta_act)
     return out[0], out[1], (out[2] if beta_act else bf)
 
@@ -219,8 +215,8 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
-        ht = (initial_state.to(_gate_dtype(q)).clone() if initial_state is not None
-              else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)))
+        ht = (initial_state.to(accum_dtype(q.dtype)).clone() if initial_state is not None
+              else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=accum_dtype(q.dtype)))
         meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
         return (o, ht, *(q.new_empty(0) if m is None else q.new_zeros(m[0], dtype=m[1]) for m in meta))
     meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
@@ -258,7 +254,7 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, third[0] if starts[0] else None,
            third[0] if states >= 0 else None)
     saved = [q.new_empty(0) if m is None else x.to(m[1]) for x, m in zip(got, meta)]
-    return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(_gate_dtype(q)), *saved)
+    return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(accum_dtype(q.dtype)), *saved)
 
 
 @torch.library.custom_op("flashdelta::chunk_gdn_fwd", mutates_args=())
@@ -282,7 +278,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     states = N if need_bwd and _saves_states(context_parallel, plan) else -1
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
     meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
-    return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=_gate_dtype(q)),
+    return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=accum_dtype(q.dtype)),
             *(q.new_empty(0) if m is None else q.new_empty(m[0], dtype=m[1]) for m in meta))
 
 
@@ -316,7 +312,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
             l2norm = plan.fn("l2norm_fwd")
             (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
-    dht = aligned(dht.to(_gate_dtype(q))) if dht is not None else None
+    dht = aligned(dht.to(accum_dtype(q.dtype))) if dht is not None else None
     if g_cumsum is None or A is None:
         g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     else:

@@ -63,6 +63,7 @@ from . import cp_model, streams
 from .cp_model import (CANDIDATE_L, CANDIDATE_L_BWD, ENV_WARMUP, MARGIN, MIN_SEQ_CHUNKS,  # noqa: F401 - re-exported
                        MIN_SEQ_CHUNKS_BWD, WARMUP_DTYPES, WARMUP_THRESHOLD, WORST_MARGIN, _kernel_dims, bounds, choose,
                        choose_bwd, parse_warmup, predict, predict_bwd, scan_cost, warmup_threshold, wide_pays)
+from .numerics import accum_dtype
 
 __all__ = ["CPPlan", "CP_AUTO", "CP_ON", "ENV_CP", "ENV_WARMUP", "GradWindows", "Windows", "auto_lengths", "bounds",
            "builds", "choose", "choose_bwd", "cp_chunk_bwd", "cp_chunk_fwd", "decide", "decode", "encode",
@@ -606,11 +607,6 @@ def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bo
     return thr if pays else None
 
 
-def _state_dtype(q: Tensor) -> torch.dtype:
-    """The CP passes' state dtype: fp32, float64 for float64 q (the portable path's twin)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _overlaps(win: Windows, q: Tensor, kset, save_states: bool) -> bool:
     """Whether the forward runs its output pass in two launches beside each other (`_output_overlapped`): with the
     warm-up (its heads' start states need no scan), on the SM90 kernel set (a side stream on the device), for a
@@ -698,7 +694,7 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
                   keys_normalized=keys_normalized, kset=kset)
     h0 = initial_state
     if h0 is not None:
-        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(_state_dtype(q))
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(accum_dtype(q.dtype))
     if _overlaps(win, q, kset, save_states):
         o, final = _output_overlapped(q, k, v, g_cumsum, beta, A, h0, plan, win, scale=scale, chunk_fwd=launch,
                                       scan=scan, kset=kset)
@@ -922,7 +918,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
         raise ValueError(f"chunk_size: CP runs 64-token chunks, got {chunk_size}")
     del cu_seqlens                                                # the plan holds the partition boundaries
     fks, bks = backends.kset("chunk_fwd"), backends.kset("chunk_bwd")
-    sd = fks.param_dtype(_state_dtype(q))
+    sd = fks.param_dtype(accum_dtype(q.dtype))
     tr = (lambda x: x.transpose(-1, -2)) if state_v_first else (lambda x: x)  # noqa: E731
     dks = backends.kset("chunk_dstate")
     thr = _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1], backward=True)

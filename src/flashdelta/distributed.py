@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from . import api, cp
-from .autograd import _flat, _gate_dtype, _param, _plan
+from .autograd import _flat, _param, _plan
 from .dispatch import UnsupportedError
+from .numerics import accum_dtype
 
 __all__ = ["CPSlice", "build_cp_slice", "chunk_gated_delta_rule_cp", "from_fla_context", "rank_slices"]
 
@@ -270,7 +271,7 @@ def _prepare(plan, q, k, g, beta, cu, l2norm: bool):
     if l2norm:
         fn = plan.fn("l2norm_fwd")
         (qf, rq), (kf, rk) = fn(qf), fn(kf)
-    gf, bf = _flat(g).to(_gate_dtype(q)), _flat(beta)
+    gf, bf = _flat(g).to(accum_dtype(q.dtype)), _flat(beta)
     g_cumsum, A = plan.fn("prepare_fwd")(kf, gf, _param(bf, plan.kset("prepare_fwd")), cu)
     return qf, kf, bf, g_cumsum, A, rq, rk
 
@@ -302,7 +303,7 @@ def _forward(q, k, v, g, beta, h0s, sl: CPSlice, scale: float, l2norm: bool, L: 
     ks = plan.kset("chunk_fwd")
     launch = ks.chunk_fwd
     b = _param(bf, ks)
-    sd = ks.param_dtype(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    sd = ks.param_dtype(accum_dtype(q.dtype))
     h0 = torch.zeros(sl.n_pieces, HV, K, V, dtype=sd, device=q.device)
     if h0s is not None:
         h0[list(sl.starts)] = h0s.to(sd)

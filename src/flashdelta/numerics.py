@@ -27,6 +27,12 @@ TOLS = {
 }
 
 
+def accum_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype states, gates and accumulations take: fp32, or float64 where any of `dtypes` is float64 (the
+    float64 twins and gradcheck run the same code at float64)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     """`||out - ref|| / ||ref||` in float64 (0 when both are all-zero; inf when only ref is); NaN in out -> nan.
     Computed on out's device (a full-size comparison of GPU tensors moves nothing to the host)."""

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .gates import beta_activation, gdn_gate
-from .numerics import GATE_FLOOR
+from .numerics import GATE_FLOOR, accum_dtype
 
 __all__ = [
     "prepare_fwd", "chunk_fwd", "state_recompute", "chunk_bwd", "chunk_dstate", "group_sum", "prepare_bwd",
@@ -131,7 +131,7 @@ def _gather_gate(g_cumsum: Tensor, lay: ChunkLayout, dtype) -> Tensor:
 def _resolve(compute_dtype, operand_dtype, *tensors):
     """The compute dtype: as given, or (None) float64 when the main operands are float64, else float32."""
     if compute_dtype is None:
-        compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        compute_dtype = accum_dtype(*(t.dtype for t in tensors))
     _check_dtypes(compute_dtype, operand_dtype)
     return compute_dtype
 
@@ -141,10 +141,6 @@ def _check_dtypes(compute_dtype, operand_dtype):
         raise ValueError(f"compute_dtype: {compute_dtype} not supported; use torch.float32 or torch.float64")
     if operand_dtype is not None and not operand_dtype.is_floating_point:
         raise ValueError(f"operand_dtype: {operand_dtype} is not a floating dtype")
-
-
-def _state_dtype(compute_dtype):
-    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def _rounder(compute_dtype, operand_dtype) -> Callable[[Tensor], Tensor]:
@@ -285,7 +281,7 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=No
     `beta_act`, a third tensor: the activated beta ``[1,T,HV]`` in g_cumsum's dtype, 0 on padding.
     """
     cd = _resolve(compute_dtype, operand_dtype, k)
-    gd = _state_dtype(cd)
+    gd = accum_dtype(cd)
     rnd = _rounder(cd, operand_dtype)
     T, H = k.shape[1], k.shape[2]
     HV = g.shape[-1]
@@ -317,7 +313,7 @@ def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):
     kc = _gather(k, lay, cd)
     qc = _gather(q, lay, cd) if q is not None else None
     vc = _gather(v, lay, cd)
-    Gc = _gather_gate(g_cumsum, lay, _state_dtype(cd)).to(cd)
+    Gc = _gather_gate(g_cumsum, lay, accum_dtype(cd)).to(cd)
     bc = _gather(beta, lay, cd)
     Ac = _gather(A, lay, cd)                                  # [NT, HV, BT, BT]
     return qc, kc, vc, Gc, bc, Ac
@@ -407,8 +403,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=No
         inside = _scatter(torch.ones_like(oc[..., 0]), lay, torch.bool)                       # [1, T, HV]
         keep = _scatter(walked[:, :, None].expand(-1, -1, lay.BT), lay, torch.bool) | ~inside
         o = out.copy_(torch.where(keep[..., None], o, out))
-    ht = _state_out(S, state_v_first, _state_dtype(cd))
-    return (o, ht) if starts is None else (o, ht, starts.to(_state_dtype(cd)))
+    ht = _state_out(S, state_v_first, accum_dtype(cd))
+    return (o, ht) if starts is None else (o, ht, starts.to(accum_dtype(cd)))
 
 
 def _with_transitions(q, k, v, g_cumsum, beta, A, cu_seqlens, *, scale, chunk_size, chunk_skip, transition_skip,
@@ -456,7 +452,7 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
         _, S1 = _fwd_step(None, kc[ids][:, hmap], vc[ids], Gc[ids], bc[ids], Ac[ids], S0,
                           scale=1.0, rnd=rnd, tril=tril, need_o=False)
         S[seqs] = S1
-    return _state_out(h, state_v_first, _state_dtype(cd))
+    return _state_out(h, state_v_first, accum_dtype(cd))
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None, state_v_first=False,
@@ -503,7 +499,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, h, do, dht, cu_seqlens, *, scale=None,
     dbc = torch.where(valid, dbc, zero)
     dGc = torch.where(valid, dGc, zero)
     return (_scatter(dqc, lay, cd), _scatter(dkc, lay, cd), _scatter(dvc, lay, cd), _scatter(dbc, lay, cd),
-            _scatter(dGc, lay, cd), _state_out(dS, state_v_first, _state_dtype(cd)))
+            _scatter(dGc, lay, cd), _state_out(dS, state_v_first, accum_dtype(cd)))
 
 
 def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_size=64, chunk_take=None,
@@ -526,7 +522,7 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
     hmap = _head_map(H, HV, dev)
     _check_chunk_counts("chunk_take", chunk_take, lay.N, HV)
     qc, kc, doc = _gather(q, lay, cd), _gather(k, lay, cd), _gather(do, lay, cd)
-    Gc, bc, Ac = _gather_gate(g_cumsum, lay, _state_dtype(cd)).to(cd), _gather(beta, lay, cd), _gather(A, lay, cd)
+    Gc, bc, Ac = _gather_gate(g_cumsum, lay, accum_dtype(cd)).to(cd), _gather(beta, lay, cd), _gather(A, lay, cd)
     dS = torch.zeros(lay.N, HV, K, V, dtype=cd, device=dev)
     tril = _tril(lay.BT, dev)
     for c in reversed(range(len(lay.steps))):
@@ -538,7 +534,7 @@ def chunk_dstate(q, k, g_cumsum, beta, A, do, cu_seqlens, *, scale=None, chunk_s
         if chunk_take is not None:              # heads that stop earlier keep their zero gradient through chunk c
             dS0 = torch.where((chunk_take[seqs].to(dev) > c)[:, :, None, None], dS0, dS[seqs])
         dS[seqs] = dS0
-    return dS.to(_state_dtype(cd))
+    return dS.to(accum_dtype(cd))
 
 
 def group_sum(dx, H, *, y=None, rstd=None, out_dtype=None, compute_dtype=None, operand_dtype=None):
@@ -558,7 +554,7 @@ def group_sum(dx, H, *, y=None, rstd=None, out_dtype=None, compute_dtype=None, o
 def prepare_bwd(dG, cu_seqlens, *, chunk_size=64, compute_dtype=None, operand_dtype=None):
     """Chunk-local reverse cumsum of dG: the gradient w.r.t. the raw g ([1,T,HV], 0 on padding)."""
     T = dG.shape[1]
-    acc = torch.promote_types(dG.dtype, _state_dtype(_resolve(compute_dtype, None, dG)))
+    acc = torch.promote_types(dG.dtype, accum_dtype(_resolve(compute_dtype, None, dG)))
     lay = chunk_layout(cu_seqlens, T, chunk_size, dG.device)
     x = _gather(dG, lay, acc)
     x = x.flip(-1).cumsum(-1).flip(-1)

@@ -36,6 +36,7 @@ from .api import (_QKV_DTYPES, _check_beta_flags, _check_cu_seqlens, _check_cu_s
                   _state_layout, _tensor)
 from .autograd import _caller_stacklevel
 from .dispatch import UnsupportedError
+from .numerics import accum_dtype
 from .gates import beta_sigmoid, gdn_gate
 
 __all__ = ["fused_recurrent_gated_delta_rule", "fused_recurrent_gdn"]
@@ -182,7 +183,7 @@ fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 def _portable(q, k, v, g, gk, gv, beta, initial_state, cu_host, *, scale, output_final_state, use_qk_l2norm, A_log,
               dt_bias, beta_act, state_v_first):
     """The PyTorch path: the gate and beta transforms, then the token loop; (o in v's dtype, final state or None)."""
-    cd = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
+    cd = accum_dtype(q.dtype, v.dtype)
     if A_log is not None:
         g = gdn_gate(g, A_log, dt_bias)
     if beta_act:
@@ -200,11 +201,6 @@ def _compiled_op(device: torch.device, need_grad: bool) -> bool:
     if forced == "sm90" and device.type != "cuda":
         _kernel_path_error(device)
     return device.type == "cuda" and not need_grad and forced != dispatch.PORTABLE
-
-
-def _state_dtype(q: Tensor, v: Tensor) -> torch.dtype:
-    """The final state's dtype on either path: float64 for float64 q or v (the PyTorch path runs those), else fp32."""
-    return torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
 
 
 @torch.library.custom_op("flashdelta::fused_recurrent_fwd", mutates_args=())
@@ -231,7 +227,7 @@ def fused_recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk
                 cu_host = cu_seqlens.cpu()
         o, ht = _portable(q, k, v, g, gk, gv, beta, initial_state, cu_host, **opts)
     if ht is None:
-        ht = q.new_empty(0, dtype=_state_dtype(q, v))
+        ht = q.new_empty(0, dtype=accum_dtype(q.dtype, v.dtype))
     elif ht is initial_state:
         ht = ht.clone()
     return o, ht
@@ -244,7 +240,7 @@ def _(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, A_log, dt_bias, *, sc
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = ((N, HV, V, K) if state_v_first else (N, HV, K, V)) if output_final_state else (0,)
-    return v.new_empty(B, T, HV, V), q.new_empty(shape, dtype=_state_dtype(q, v))
+    return v.new_empty(B, T, HV, V), q.new_empty(shape, dtype=accum_dtype(q.dtype, v.dtype))
 
 
 _warned: set = set()

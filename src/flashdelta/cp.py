@@ -607,17 +607,17 @@ def _threshold(plan: CPPlan, q: Tensor, HV: int, K: int, V: int, *, backward: bo
     return thr if pays else None
 
 
-def _overlaps(win: Windows, q: Tensor, kset, save_states: bool) -> bool:
+def _overlaps(win: Windows, q: Tensor, kset) -> bool:
     """Whether the forward runs its output pass in two launches beside each other (`_output_overlapped`): with the
-    warm-up (its heads' start states need no scan), on the SM90 kernel set (a side stream on the device), for a
-    forward that does not save the chunk states (the training forward's output pass writes them in one launch)."""
-    return win.threshold is not None and _sm90(q, kset) and not save_states
+    warm-up (its heads' start states need no scan), on the SM90 kernel set (a side stream on the device)."""
+    return win.threshold is not None and _sm90(q, kset)
 
 
 def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: CPPlan, win: Windows, *, scale: float,
-                       chunk_fwd, scan: Optional[str], kset) -> tuple:
+                       chunk_fwd, scan: Optional[str], kset, save_states: bool = False) -> tuple:
     """The forward's summaries, scan and output pass with the warm-up heads off the scan's path: ``(o, final
-    [N, HV, K, V])``, the same values as the one-launch output pass over `scan_states`.
+    [N, HV, K, V])``, and with `save_states` the chunk states third (`cp_chunk_fwd`), the same values as the
+    one-launch output pass over `scan_states`.
 
     A (partition, head) needs the scan only where the partition before walked the exact path (``win.fallback``);
     the others start from h0 (a sequence's first partition) or from the window of the partition before (its E from
@@ -625,8 +625,9 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
     default priority) run the critical path: the M and E passes (`summaries`), the scan of the heads that need it,
     and the output pass of those (partition, head)s; and beside it on the current stream: the windows' E pass alone (the
     fallback heads skipped: a few chunks a CTA), their start states (one shift by a slot), and the output pass of the
-    other (partition, head)s, into the same o (`chunk_fwd(out=...)`, complementary `chunk_skip`s). The final states
-    are taken from the launch that walked each sequence's last partition."""
+    other (partition, head)s, into the same o (`chunk_fwd(out=...)`, complementary `chunk_skip`s) and, with
+    `save_states`, the same chunk states (`states_out`). The final states are taken from the launch that walked each
+    sequence's last partition."""
     HV = v.shape[2]
     exact = torch.cat([win.fallback.new_zeros(1, HV), win.fallback[:-1]]) & ~plan.first[:, None]   # [P, HV]
     scanned = exact.any(0)                              # [HV]: the heads the scan walks
@@ -636,14 +637,18 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
     win_scanned = win._replace(skip_e=torch.where(scanned, win.skip_e, none))
     from .kernels import _tl  # noqa: PLC0415 - no TileLang: the launchers' output allocation (NaN under the tests)
 
-    o = _tl.alloc(v.shape, v.dtype, v.device)           # before the fork: both streams write it
+    o = _tl.alloc(v.shape, v.dtype, v.device)           # before the fork: both streams write it (and the states)
     kw = dict(scale=scale, state_v_first=False)
+    out_kw = dict(out=o)
+    if save_states:
+        hs = _tl.alloc((q.shape[1] // BT + plan.N + 1, HV, v.shape[3], k.shape[3]), q.dtype, q.device)
+        out_kw.update(save_states=True, state_seqs=(plan.seq, plan.N), states_out=hs)
     side = streams.fork(q.device, urgent=True)
     with streams.on(side):
         M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=chunk_fwd, windows=win_scanned)
         H = scan_states(M, E, plan, h0, scan or ("kernel" if _kernel_scan(E, kset) else None), heads=scanned)
-        _, ht_exact = chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu, chunk_skip=torch.where(exact, zero, none),
-                                out=o, **kw)
+        _, ht_exact, *_ = chunk_fwd(q, k, v, g_cumsum, beta, A, H, plan.cu,
+                                    chunk_skip=torch.where(exact, zero, none), **out_kw, **kw)
     _, E_win = chunk_fwd(q, k, v, g_cumsum, beta, A, None, plan.cu, chunk_skip=torch.where(win.fallback, none,
                                                                                             win.skip_e),
                          states_only=True, **kw)
@@ -651,13 +656,13 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
     del E_win
     h_first = h0.index_select(0, plan.seq) if h0 is not None else start.new_zeros(())
     torch.where(plan.first[:, None, None, None], h_first, start, out=start)
-    _, ht_warm = chunk_fwd(q, k, v, g_cumsum, beta, A, start, plan.cu, chunk_skip=torch.where(exact, none, zero),
-                           out=o, **kw)
+    _, ht_warm, *_ = chunk_fwd(q, k, v, g_cumsum, beta, A, start, plan.cu,
+                               chunk_skip=torch.where(exact, none, zero), **out_kw, **kw)
     streams.join(side)
     last = plan.last_index
     final = torch.where(exact.index_select(0, last)[:, :, None, None], ht_exact.index_select(0, last),
                         ht_warm.index_select(0, last))
-    return o, final
+    return (o, final, hs) if save_states else (o, final)
 
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
@@ -695,9 +700,10 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     h0 = initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(accum_dtype(q.dtype))
-    if _overlaps(win, q, kset, save_states):
-        o, final = _output_overlapped(q, k, v, g_cumsum, beta, A, h0, plan, win, scale=scale, chunk_fwd=launch,
-                                      scan=scan, kset=kset)
+    if _overlaps(win, q, kset):
+        o, final, *saved = _output_overlapped(q, k, v, g_cumsum, beta, A, h0, plan, win, scale=scale,
+                                              chunk_fwd=launch, scan=scan, kset=kset, save_states=save_states)
+        states = saved[0] if save_states else None
     else:
         M, E = summaries(q, k, v, g_cumsum, beta, A, plan, scale=scale, chunk_fwd=launch, windows=win)
         scan = scan or ("kernel" if _kernel_scan(E, kset) else None)
@@ -1003,7 +1009,7 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
                 transitions=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
     # the warm-up's output pass in two launches (`_output_overlapped`): the windows' E pass alone, the output passes
-    # over complementary skips
+    # over complementary skips (the training forward's: saving the chunk states, below)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
                 states_only=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
@@ -1014,8 +1020,8 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
                     zero_values=True, states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         # the training forward's output pass saving the chunk states over the whole sequences (`state_seqs`)
-        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), save_states=True,
-                    state_seqs=True)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(False, True),
+                    save_states=True, state_seqs=True)
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,), h_seqs=(True, False))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))

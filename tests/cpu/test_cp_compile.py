@@ -76,17 +76,22 @@ def test_plan_kernel_compiles_and_is_listed(tmp_path):
 
 
 # the overlapped forward's fused-forward builds (`cp._output_overlapped`) at the benchmark rows' dims (2/8, bf16, fp32
-# beta): the windows' E pass alone (states only, chunk_skip, no h0) and the output pass over a chunk_skip (fp32 h0)
+# beta): the windows' E pass alone (states only, chunk_skip, no h0), the output pass over a chunk_skip (fp32 h0) and
+# the training forward's, which also saves the chunk states over the sequences (save_states, state_seqs)
 OVERLAP_BUILDS = {
     "e-pass": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5, False,
                                      False) + fused_fwd._flags(False, True, False, True),
     "output-skip": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
                                           True, False) + fused_fwd._flags(False, True, False, False),
+    "output-skip-save-states": fused_fwd.builder_args(2, 8, 128, 128, torch.bfloat16, torch.float32, torch.float32,
+                                                      128 ** -0.5, True, False)
+    + fused_fwd._flags(True, True, False, False, state_seqs=True),
 }
 
 
 def test_overlap_builds_are_listed_where_cp_lists_its_builds():
-    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)}
+    keys = {(b.__name__, a) for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5,
+                                                     backward=True)}
     assert all((fused_fwd.build.__name__, a) in keys for a in OVERLAP_BUILDS.values())
 
 

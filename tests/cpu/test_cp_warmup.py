@@ -295,6 +295,68 @@ def test_overlapped_output_pass_equals_one_launch(case, L, thr, monkeypatch):
         assert_close("final", ht1, ht0, tol=1e-13)
 
 
+class _SavingBackends:
+    """The portable launchers, with chunk_fwd given the SM90 launcher's `save_states` (`state_seqs`, `states_out`,
+    with `chunk_skip`): the state entering every chunk walked, in q's dtype, V-first, at the native slots (item n's
+    chunk c at ``cu[n] // 64 + seq[n] + c``; docs/stages.md), the other slots untouched (NaN-poisoned when allocated
+    here). Built from `portable.state_recompute`, so it takes skips of 0 or of every chunk only (what the CP output
+    passes launch)."""
+
+    def __init__(self, backends):
+        self.backends = backends
+
+    def kset(self, name):
+        return self.backends.kset(name)
+
+    def fn(self, name):
+        return self.chunk_fwd if name == "chunk_fwd" else self.backends.fn(name)
+
+    @staticmethod
+    def chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, *, save_states=False, state_seqs=None, states_out=None,
+                  chunk_skip=None, **kw):
+        out = portable.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, chunk_skip=chunk_skip, **kw)
+        if not save_states:
+            return out
+        T, HV, K, V = q.shape[1], v.shape[2], k.shape[3], v.shape[3]
+        seq, n_seq = state_seqs
+        hs = states_out if states_out is not None else q.new_full((T // 64 + n_seq + 1, HV, V, K), math.nan)
+        h = portable.state_recompute(k, v, g_cumsum, beta, A, h0, cu, state_v_first=kw.get("state_v_first", False))
+        g = 0
+        for n in range(cu.shape[0] - 1):
+            nt = -(-(int(cu[n + 1]) - int(cu[n])) // 64)
+            skip = torch.zeros(HV, dtype=torch.long) if chunk_skip is None else chunk_skip[n].long()
+            assert bool(((skip == 0) | (skip >= nt)).all()), "skips of 0 or of every chunk only"
+            for c in range(nt):
+                walked = skip <= c
+                slot = int(cu[n]) // 64 + int(seq[n]) + c
+                hs[slot, walked] = h[g + c, walked].transpose(-1, -2).to(hs.dtype)
+            g += nt
+        return (*out, hs)
+
+
+@pytest.mark.parametrize("case,L,thr", WINDOW_CASES[:2], ids=WINDOW_IDS[:2])
+def test_overlapped_output_pass_saves_the_one_launch_states(case, L, thr, monkeypatch):
+    """The training forward's overlapped output pass (`save_states`: both launches write their chunks' states into one
+    tensor, `states_out`) saves the states the one-launch output pass saves, slot for slot (the unwritten slots of
+    both NaN), and the same o and final states (float64, portable launchers with the SM90 launcher's state output)."""
+    x, q, k, v, g_cumsum, beta, A, cu, seq_len = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L, seq_len=seq_len, warmup=thr)
+    backends = _SavingBackends(dispatch.plan(torch.device("cpu"), case.K, case.V, F64, need_bwd=False))
+    monkeypatch.setenv("FLASHDELTA_POISON", "1")
+    runs = []
+    for overlap in (False, True):
+        monkeypatch.setattr(cp, "_overlaps", lambda *a, on=overlap: on)
+        runs.append(cp.cp_chunk_fwd(q, k, v, g_cumsum, beta, A, x["initial_state"], cu, scale=0.25, plan=plan,
+                                    backends=backends, save_states=True))
+    (o0, ht0, hs0), (o1, ht1, hs1) = runs
+    assert_close("o", o1, o0, tol=1e-13)
+    assert_close("final", ht1, ht0, tol=1e-13)
+    written = ~hs0.isnan()
+    assert bool((written == ~hs1.isnan()).all()), "the same slots written"
+    assert int(written.sum()) > 0
+    assert_close("states", hs1[written], hs0[written], tol=1e-13)
+
+
 def test_overlapped_output_pass_with_a_head_on_both_paths(monkeypatch):
     """One token outside the contraction bound sends a decaying head's first partition to the exact path while its
     later partitions warm up: the overlapped output pass's scan walks that head through partitions of both kinds,

@@ -544,6 +544,32 @@ def test_overlapped_output_pass_equals_one_launch(case, L, monkeypatch):
     assert torch.equal(ht1, ht0), f"ht: max diff {float((ht1 - ht0).abs().max()):.3g}"
 
 
+@pytest.mark.parametrize("case,L", WARM_CASES[:2], ids=[c[0].name for c in WARM_CASES[:2]])
+def test_overlapped_training_forward_equals_one_launch(case, L, monkeypatch):
+    """The training forward's overlapped output pass (`cp._output_overlapped(save_states=True)`: both output
+    launches write their chunks' states into one tensor, `chunk_fwd(states_out=...)`) saves the states the one-launch
+    pass saves: o, the final state and every gradient (the backward reads the saved states) bit for bit."""
+    monkeypatch.setenv("FLASHDELTA_BACKEND", "sm90")
+    monkeypatch.setenv("FLASHDELTA_SAVE_STATES", "1")
+    monkeypatch.setenv(cp.ENV_WARMUP, "1")
+    x = make_inputs(case, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    names = [n for n in GRAD_INPUTS if x.get(n) is not None]
+    leaves = [x[n] for n in names]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
+    calls, real = [], cp._output_overlapped
+    monkeypatch.setattr(cp, "_output_overlapped", lambda *a, **kw: calls.append(kw["save_states"]) or real(*a, **kw))
+    runs = []
+    for overlap in (True, False):
+        if not overlap:
+            monkeypatch.setattr(cp, "_overlaps", lambda *a: False)
+        o, ht = chunk_gated_delta_rule(**x, output_final_state=True, context_parallel=L)
+        runs.append((o, ht) + torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht))))
+    assert calls == [True], "the training forward takes the overlapped output pass once, saving the states"
+    for name, a, b in zip(("o", "ht", *names), runs[0], runs[1]):
+        assert torch.equal(a, b), f"{name}: max diff {float((a.float() - b.float()).abs().max()):.3g}"
+
+
 WARM_GRAPH = Case("cp-warm-graph", (3000, 1, 2000), H=2, HV=8, K=128, V=128, pad=11, gate="bench")
 
 

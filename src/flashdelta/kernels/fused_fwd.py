@@ -674,7 +674,8 @@ def state_recompute_builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
               chunk_size=64, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-              transitions=False, transition_skip=None, save_states=False, state_seqs=None, wide=False, out=None):
+              transitions=False, transition_skip=None, save_states=False, state_seqs=None, wide=False, out=None,
+              states_out=None):
     """Fused forward (docs/stages.md `chunk_fwd`).
 
     Args:
@@ -703,7 +704,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
             chunk_skip (and only then), ``[N, HV]`` integer, the M walks' start chunks as chunk_skip gives the E
             walks'; where it skips every chunk of a non-empty sequence M = 0 (not the identity).
         save_states: also return third the state entering every chunk, as `state_recompute` returns it (the
-            training forward saving the backward's states; not with the context-parallel options).
+            training forward saving the backward's states). With chunk_skip only the chunks walked write theirs;
+            not with the other context-parallel options.
         state_seqs: with save_states, None, or ``(seq, N_seq)``: cu_seqlens' items are chunk-aligned pieces of
             ``N_seq`` sequences (context parallelism's partitions; ``seq [N]`` integer, each item's sequence), and
             the states go where `state_recompute` over those sequences puts them, in one ``h [T // BT + N_seq + 1,
@@ -714,6 +716,9 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
         out: None, or the ``[1, T, HV, V]`` contiguous tensor in v.dtype that o is written into (returned as o); not
             with states_only. With chunk_skip only the chunks walked (and the padding tail's zeros) are written, so
             two launches over complementary skips fill one o (context parallelism's output pass, `flashdelta.cp`).
+        states_out: with save_states, None, or the contiguous tensor in q's dtype, of the shape save_states returns,
+            that the chunk states are written into (returned third); with chunk_skip two launches over
+            complementary skips fill it, as `out` does o.
 
     Returns:
         o ``[1, T, HV, V]`` in v.dtype (0 on the padding tail) and the final state fp32 in the layout of
@@ -728,7 +733,8 @@ def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, s
                            state_v_first=state_v_first, chunk_size=chunk_size, save_states=save_states,
                            chunk_skip=chunk_skip, zero_values=zero_values, states_only=states_only,
                            partition_starts=partition_starts, transitions=transitions,
-                           transition_skip=transition_skip, state_seqs=state_seqs, wide=wide, out=out)
+                           transition_skip=transition_skip, state_seqs=state_seqs, wide=wide, out=out,
+                           states_out=states_out)
     return (o, ht) if partition_starts is None and not transitions and not save_states else (o, ht, third)
 
 
@@ -745,10 +751,10 @@ def state_recompute(k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, state
 
 def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first, chunk_size,
             save_states, chunk_skip=None, zero_values=False, states_only=False, partition_starts=None,
-            transitions=False, transition_skip=None, state_seqs=None, wide=False, out=None):
+            transitions=False, transition_skip=None, state_seqs=None, wide=False, out=None, states_out=None):
     """Both launchers' body: (o, ht, None), (o, ht, hs) with save_states, (o, ht, starts) with partition_starts,
     or (None, ht, M) with transitions; `chunk_skip`, `zero_values`, `states_only` (o None), `partition_starts`,
-    `transitions`, `transition_skip`, `state_seqs`, `wide` and `out` as `chunk_fwd` takes them (`zero_values` not
+    `transitions`, `transition_skip`, `state_seqs`, `wide`, `out` and `states_out` as `chunk_fwd` takes them (`zero_values` not
     with save_states)."""
     B, T_, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -779,12 +785,16 @@ def _launch(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, sta
             assert tuple(h_seq.shape) == (N,) and not h_seq.dtype.is_floating_point and n_seq >= 1, \
                 "state_seqs: (seq [N] integer, N_seq >= 1)"
             h_seq = h_seq.to(torch.int32).contiguous()
-        hs = _tl.alloc((T_ // BT + n_seq + 1, HV, V, K), q.dtype, dev)
+        hs_shape = (T_ // BT + n_seq + 1, HV, V, K)
+        if states_out is not None:
+            assert tuple(states_out.shape) == hs_shape and states_out.dtype == q.dtype and states_out.device == dev \
+                and states_out.is_contiguous(), f"states_out: a contiguous {list(hs_shape)} tensor in q's dtype"
+        hs = states_out if states_out is not None else _tl.alloc(hs_shape, q.dtype, dev)
     else:
-        assert state_seqs is None, "state_seqs: with save_states"
+        assert state_seqs is None and states_out is None, "state_seqs, states_out: with save_states"
     if chunk_skip is not None:
-        assert not save_states and tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
-            "chunk_skip: integer [N, HV], chunk_fwd only"
+        assert tuple(chunk_skip.shape) == (N, HV) and not chunk_skip.dtype.is_floating_point, \
+            "chunk_skip: integer [N, HV]"
         chunk_skip = chunk_skip.to(torch.int32).contiguous()
     hm = None
     if transitions:

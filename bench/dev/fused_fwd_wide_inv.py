@@ -1,6 +1,6 @@
 """A/B variant of kernels/fused_fwd_wide.py (not shipped; docs/dev/fused_fwd.md items 0b, 0c): the wide build with
 prepare inside it and the WY inverse spread over the prep warpgroup's four warps. No A input, no prepare launch.
-`chunk_fwd_inv(q, k, v, g, beta, h0, cu_seqlens, scale)`: g is the raw gate (log decay, fp32), beta as
+`chunk_fwd_inv(q, k, v, g, beta, h0, cu_seqlens, scale, qk_first=False)`: g is the raw gate (log decay, fp32), beta as
 given, bf16 or fp16; plain forward only. bench/dev/ab_wide_inv.py times it against prepare + the default and the wide
 builds; bench/dev/wy_inverse_wg_emu.py checks the inverse's fragment code on the CPU.
 
@@ -10,7 +10,7 @@ Roles as in the wide build, except:
 - the prep warpgroup, per chunk: waits `full` and `pout_empty`; K K^T (SS wgmma on the ring's k tile); splits it
   (`fd_split_gram_wg`: the fp32 diagonal blocks into kkd, L's bf16 hi/lo rows into ae_s[pb] and pg_s[pb], which the
   pass overwrites later); all four warps invert (`fd_wy_inverse_wg`, below) into the ring slot's A tile; a 128-thread
-  barrier; Q K^T; the pass as in the wide build.
+  barrier; Q K^T (with `qk_first`: issued with K K^T, so that it runs under the inverse); the pass as in the wide build.
 
 Barriers: the mbarriers and their counts are the wide build's (`full` 64: the load warp's 32 with the TMA bytes of v,
 q and k, and the gate warp's 32). Named barriers: 1 (the prep warpgroup's 128 threads: the ragged zeroing, the D_b
@@ -19,7 +19,8 @@ inverse 4, 5, 6 (64 threads: one producer warp arrives, warp 3 syncs; each used 
 arrival follows the 128-thread barriers that warp 3 passes first). An arrive synchronizes with the sync of the same
 barrier (PTX memory model), which publishes the exchange's shared-memory stores.
 
-Registers: 2 x 192 + 96 + 32 = 512, the wide build's budget (the prep warpgroup compiles without spills down to 88).
+Registers: 2 x 192 + 96 + 32 = 512, the wide build's budget (the prep warpgroup compiles without spills down to 88);
+with qk_first 2 x 176 + 128 + 32 (Q K^T's 32 accumulators live across the inverse; the prep spills at 120).
 Shared memory: the wide build's 218,112 B plus the 5,120 B level-0 tile kkd ([4][16][20] fp32, D_b^T written over
 it): 223,232 B of the 232,448 a CTA may use. The inverse's other scratch lives in the prep-product buffer it is about
 to fill: L's hi/lo rows (5,376 B each) and three 1 KB exchanges after them in ae_s[pb] and pg_s[pb].
@@ -41,6 +42,7 @@ THREADS = 512
 ST = 256                # state threads: two warpgroups, one 64-row half of S^T each
 # setmaxnreg targets: 2 x state + prep + producers <= 4 x 128 (the launch's registers per thread slot)
 REGS = {"state": 192, "prep": 96, "producer": 32}   # the wide build's budget: the inverse fits 96 (88 without spills)
+REGS_QK = {"state": 176, "prep": 128, "producer": 32}   # qk_first: P (32 registers) live across the inverse: 120 spills
 KD_P = 20               # row pitch (floats) of the level-0 tile kkd [4][16][KD_P]: 16-byte rows
 
 
@@ -387,10 +389,15 @@ __device__ __forceinline__ void fd_wy_inverse_wg(const void* lhi_p, const void* 
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS)
 def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype: str, scale: float,
-          has_initial_state: bool, state_v_first: bool):
-    """The variant for one compile-time configuration (`fused_fwd.builder_args`); T and N are dynamic."""
+          has_initial_state: bool, state_v_first: bool, qk_first: bool = False, early_release: bool = False):
+    """The variant for one compile-time configuration (`fused_fwd.builder_args`); T and N are dynamic. qk_first: the
+    prep warpgroup issues Q K^T right after K K^T, so that it runs under the inverse (its accumulator live across it:
+    `REGS_QK`), instead of after it. early_release: the state warpgroups free chunk c's ring slot and prep buffers
+    once chunk c's GEMMs complete, before they wait for chunk c+1's prep (the wide build frees them after that wait:
+    with two slots and two buffers chunk c+2's q/k load and prep then follow chunk c+1's prep_done, so the prep's
+    latency and a load round trip sit in every period)."""
     assert dtype in ("bfloat16", "float16")
-    regs = REGS
+    regs = REGS_QK if qk_first else REGS
     inverse = f"fd_wy_inverse_wg<{'true' if dtype == 'float16' else 'false'}>"
     G = HV // H
     acc = "float32"
@@ -449,7 +456,9 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                  v_s, a_s, ae_s, pg_s, r_s, dq_s, el_s, o_s, sb_s, tx):
         # state warpgroup h: value rows [64 h, 64 h + 64) of S^T (fp32 registers) through the default build's state
         # chain, software-pipelined the same way (chunk c+1's V^T Ag^T under chunk c's tail; no wgmma pending across
-        # the back-edge). Chunk c's o staging precedes chunk c+1's Y GEMM, so O^T is not live beside Y.
+        # the back-edge). Chunk c's o staging precedes chunk c+1's Y GEMM, so O^T is not live beside Y. With
+        # early_release chunk c's GEMMs drain and its slot and prep buffers are released before the waits for chunk
+        # c+1.
         T.set_max_nreg(regs["state"], 1)
         v0 = h * BH
         s_f = T.alloc_fragment((BH, K), acc)        # S^T
@@ -480,12 +489,18 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
                 st1 = (c + 1) % NS
                 pb1 = (c + 1) % NP
                 finish_chunk(c % NS, c % NP, h, s_f, sb_s, vd_f, vdr_f, vdb_f, o_f, q_s, k_s, pg_s, r_s, dq_s)
+                if early_release:
+                    # chunk c's slot and prep buffers free before chunk c+1's prep is awaited, so that chunk c+2's
+                    # q/k load and prep do not wait on chunk c+1's prep (V^T Ag^T no longer runs under c's tail)
+                    T.wait_wgmma(0)
+                    release_and_store_o(c, h, o_f, o_s, empty, pout_empty, o_empty, o_full, tx)
                 T.barrier_wait(full[st1], ((c + 1) // NS) % 2)
                 T.barrier_wait(prep_done[pb1], ((c + 1) // NP) % 2)
                 T.wgmma_gemm(v_s[st1, :, v0:v0 + BH], a_s[st1, :, :], vd_f, transpose_A=True, transpose_B=True,
                              clear_accum=True)
-                T.wait_wgmma(1)
-                release_and_store_o(c, h, o_f, o_s, empty, pout_empty, o_empty, o_full, tx)
+                if not early_release:
+                    T.wait_wgmma(1)
+                    release_and_store_o(c, h, o_f, o_s, empty, pout_empty, o_empty, o_full, tx)
                 issue_ws(st1, pb1, h, s_f, sb_s, vd_f, y_f, yb_f, k_s, ae_s, el_s)
                 T.wait_wgmma(0)
                 T.barrier_arrive(empty_va[st1])
@@ -526,16 +541,21 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
         # A = (I + strictly_lower(diag(beta) K K^T))^-1 into a_s[st]: K K^T, its split into kkd and the hi/lo rows
         # (in ae_s[pb] and pg_s[pb], free once the state warpgroups release them and until the pass below), the four
         # warps' inverse (each warp's level 0 reads only the kkd block it split: no barrier before it), a barrier
-        # that publishes A to the pass and frees the hi/lo rows for it, then Q K^T
+        # that publishes A to the pass and frees the hi/lo rows for it, then Q K^T (qk_first: issued with K K^T)
         T.barrier_wait(pout_empty[pb], ((c // NP) % 2) ^ 1)
         T.wgmma_gemm(k_s[st, :, :], k_s[st, :, :], kk_f, transpose_B=True, clear_accum=True)   # K K^T
-        T.wait_wgmma(0)
+        if qk_first:
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)   # P = Q K^T
+            T.wait_wgmma(1)
+        else:
+            T.wait_wgmma(0)
         T.call_extern("handle", "fd_split_gram_wg", kk_f.data, T.address_of(kkd_s[0, 0, 0]),
                       T.address_of(ae_s[pb, 0, 0]), T.address_of(pg_s[pb, 0, 0]), tp)
         T.call_extern("handle", inverse, T.address_of(ae_s[pb, 0, 0]), T.address_of(pg_s[pb, 0, 0]),
                       T.address_of(kkd_s[0, 0, 0]), T.address_of(b_s[st, 0]), T.address_of(a_s[st, 0, 0]), tp)
         T.sync_threads(1, 128)
-        T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)   # P = Q K^T
+        if not qk_first:
+            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)   # P = Q K^T
         for i in T.Parallel(BT):
             gi_f[i] = g_s[st, i] * LOG2E
             ei_f[i] = -T.exp2(gi_f[i])
@@ -683,7 +703,8 @@ def build(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, h0_dtype
     return chunk_fwd_wide_kernel
 
 
-def chunk_fwd_inv(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, state_v_first=False):
+def chunk_fwd_inv(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, state_v_first=False, qk_first=False,
+                  early_release=False):
     """(o, ht) of the plain forward from the raw gate, prepare included (K = V = 128, bf16 or fp16; flat varlen)."""
     from flashdelta.kernels import fused_fwd
 
@@ -698,6 +719,7 @@ def chunk_fwd_inv(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, state_v
     h0 = initial_state if initial_state is not None else ht
     args = fused_fwd.builder_args(H, HV, K, V, q.dtype, beta.dtype, h0.dtype, scale, initial_state is not None,
                                   state_v_first)
-    build(*args)(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), h0.contiguous(),
-                 cu, _tl.seq_order(cu, HV), o, ht)
+    build(*args, bool(qk_first), bool(early_release))(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                                      beta.contiguous(), h0.contiguous(), cu, _tl.seq_order(cu, HV),
+                                                      o, ht)
     return o, ht

@@ -19,7 +19,12 @@ against its default build, interleaved, with the outputs compared.
     source .device/bootstrap.sh; python3 bench/dev/ab_fused_fwd.py --wide
 
 Each line: CUDA-graph medians of the fused kernel alone (prepare_fwd's outputs are inputs), default and wide
-interleaved in one process, their ratio, and the wide build's o and final state against the default's.
+interleaved in one process, their ratio, and the wide build's o and final state against the default's. With --wide a
+--variant is a copy of kernels/fused_fwd_wide.py: the shipped `chunk_fwd(wide=True)` runs with it in place of the
+shipped wide module while its CUDA graph is captured, timed in the same interleaving, its outputs against the
+shipped wide build's:
+
+    python3 bench/dev/ab_fused_fwd.py --wide --variant er=/tmp/fused_fwd_wide_er.py [--precompile]
 """
 import inspect
 import os
@@ -70,26 +75,52 @@ def _builds(m, h: int, hv: int) -> list:
 
 
 def _wide_builds(m, h: int, hv: int) -> list:
-    """The default and wide forward builds of one row's heads (what --wide launches)."""
-    return [b for kw in ({}, dict(wide=True))
-            for b in m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
-                                       initial_state=(True,), **kw)]
+    """The default and wide forward builds of one row's heads (what --wide launches); for a copy of
+    fused_fwd_wide.py (no `launcher_builds`), its build at the shipped wide build's arguments."""
+    from flashdelta.kernels import fused_fwd
+
+    wide = fused_fwd.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                                     initial_state=(True,), wide=True)
+    if not hasattr(m, "launcher_builds"):
+        return [(f"{label} (variant)", m.build, args) for label, _, args in wide]
+    return m.launcher_builds(h, hv, 128, 128, torch.bfloat16, torch.float32, torch.float32, 128 ** -0.5,
+                             initial_state=(True,)) + wide
 
 
-def wide_vs_default(m, hh: str, sl: str, inp, scale, g_cumsum, A, stream) -> None:
-    """One row: module m's default and wide `chunk_fwd`, interleaved CUDA-graph medians and their outputs compared."""
+def wide_vs_default(m, hh: str, sl: str, inp, scale, g_cumsum, A, stream, variants=None) -> None:
+    """One row: module m's default and wide `chunk_fwd` (and the wide chunk_fwd with each of `variants`, {name:
+    fused_fwd_wide copy}, in place of the shipped wide module), interleaved CUDA-graph medians and their outputs
+    compared."""
     import timing
+    from ab_chunk_bwd import patched_runners
+
+    import flashdelta.kernels as fk
+    from flashdelta.kernels import fused_fwd_wide
 
     q, k, v, beta, h0, cu = inp.q, inp.k, inp.v, inp.beta, inp.h0, inp.cu
-    fwd = {"default": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale),
-           "wide": lambda: m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, wide=True)}
-    outs = {n: f() for n, f in fwd.items()}
+
+    def default():
+        return m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale)
+
+    def wide():
+        return m.chunk_fwd(q, k, v, g_cumsum, beta, A, h0, cu, scale=scale, wide=True)
+
+    def patch(mod):
+        fk.fused_fwd_wide = mod
+        return lambda: setattr(fk, "fused_fwd_wide", fused_fwd_wide)
+
+    outs, runners = patched_runners(wide, {"wide": fused_fwd_wide, **(variants or {})}, patch, stream)
+    outs["default"] = [x.clone() for x in default()]
     torch.cuda.synchronize()
-    t = timing.time_runners({n: timing.make_runner(f, stream=stream) for n, f in fwd.items()}, stream=stream,
-                            flush=None)
-    print(f"{hh:>6} {sl:>28} {'default / wide':>16} {t['default'].ms:12.4f} {t['wide'].ms:12.4f}  "
-          f"wide/default {t['wide'].ms / t['default'].ms:.3f}  o: {_diff(outs['wide'][0], outs['default'][0])}, "
-          f"ht: {_diff(outs['wide'][1], outs['default'][1])}", flush=True)
+    runners["default"] = timing.make_runner(default, stream=stream)
+    t = timing.time_runners(runners, stream=stream, flush=None)
+    line = (f"{hh:>6} {sl:>28} {'default / wide':>16} {t['default'].ms:12.4f} {t['wide'].ms:12.4f}  "
+            f"wide/default {t['wide'].ms / t['default'].ms:.3f}  o: {_diff(outs['wide'][0], outs['default'][0])}, "
+            f"ht: {_diff(outs['wide'][1], outs['default'][1])}")
+    for n in variants or {}:
+        line += (f"  | {n} {t[n].ms:.4f} ms, /wide {t[n].ms / t['wide'].ms:.3f}, o: "
+                 f"{_diff(outs[n][0], outs['wide'][0])}, ht: {_diff(outs[n][1], outs['wide'][1])}")
+    print(line, flush=True)
 
 
 def main():
@@ -97,8 +128,6 @@ def main():
                        flags={"--wide": "only the shipped module's default vs wide chunk_fwd (default rows: the "
                                         "wide build's decision rows)"})
     rows = args.rows or list(WIDE_ROWS if args.wide else ROWS)
-    if args.wide:
-        assert not args.variant, "--wide times the shipped module alone"
     if args.precompile:
         precompile(rows, mods, _wide_builds if args.wide else _builds)
         return
@@ -108,7 +137,8 @@ def main():
         print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} {'default ms':>12} {'wide ms':>12}", flush=True)
         for row in rows:
             hh, sl, inp, scale, g_cumsum, A, _ = fwd_row(row)
-            wide_vs_default(mods["shipped"], hh, sl, inp, scale, g_cumsum, A, stream)
+            wide_vs_default(mods["shipped"], hh, sl, inp, scale, g_cumsum, A, stream,
+                            {n: mod for n, mod in mods.items() if n != "shipped"})
         return
     print(f"{'heads':>6} {'seqlens':>28} {'kernel':>16} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "  vs shipped", flush=True)

@@ -3,9 +3,10 @@ output pass on the side stream beside the warm-up heads' window E pass and outpu
 output pass after the scan (`cp._overlaps` patched to False while that variant's CUDA graph is captured), against
 ``overlap``, the shipped code. On the benchmark's forward inputs through the public API (`cu_seqlens_cpu` given, so
 the CP decision, L and the warm-up, is the benchmark's): CUDA-graph medians interleaved in one process, whether o and
-the final state are bitwise equal, and which L the call used.
+the final state are bitwise equal, and which L the call used. --train: the training forward (inputs that require
+grad: the output pass also saves the chunk states for the backward, `states_out`), the forward alone timed.
 
-    source .device/bootstrap.sh; python3 bench/dev/ab_cp_fwd_overlap.py [--rows 2/8:1x32768 ...]
+    source .device/bootstrap.sh; python3 bench/dev/ab_cp_fwd_overlap.py [--rows 2/8:1x32768 ...] [--train]
 
 Compiles nothing of its own beyond the forward grid's builds (bench/precompile.py --grid / --tests: cp.builds).
 """
@@ -25,6 +26,7 @@ ROWS = ("2/8:1x32768", "4/16:1x32768", "16/16:1x32768", "2/8:16384x2", "4/16:1x1
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="+", default=list(ROWS), help="H/HV:seqlens")
+    ap.add_argument("--train", action="store_true", help="the training forward (saving the chunk states)")
     a = ap.parse_args()
     os.environ.setdefault("FLASHDELTA_BACKEND", "sm90")
     import timing
@@ -38,14 +40,15 @@ def main() -> int:
     print(f"{'heads':>6} {'seqlens':>14} {'L':>4} {'overlapped':>10} {'one ms':>9} {'overlap ms':>11} {'ratio':>7}  "
           f"outputs", flush=True)
     for row in a.rows:
-        hh, sl, inp = row_inputs(row, requires_grad=False)
+        hh, sl, inp = row_inputs(row, requires_grad=a.train)
         used = []
 
         def run():
-            with torch.no_grad():
-                return chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=inp.scale,
-                                              initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu,
-                                              cu_seqlens_cpu=inp.cu_host)
+            with torch.set_grad_enabled(a.train):
+                o, ht = chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, scale=inp.scale,
+                                               initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu,
+                                               cu_seqlens_cpu=inp.cu_host)
+            return o.detach(), ht.detach()
 
         real_fwd, real_over = cp.cp_chunk_fwd, cp._output_overlapped
         cp.cp_chunk_fwd = lambda *args, **kw: used.append(("L", kw["plan"].L)) or real_fwd(*args, **kw)

@@ -89,13 +89,22 @@ def cp_passes(request, HV: int, K: int, V: int, dtype: torch.dtype, *, sms: int,
 
 def _cp_builds(H: int, HV: int, K: int, V: int, dtype, beta_dtype, scale: float, fwd: bool, bwd: bool) -> list:
     """`cp.builds` of the passes that may split: without the forward's, less its `chunk_skip` builds (the warm-up
-    windows' E and M passes and their work order, which only the forward launches)."""
+    windows' E and M passes and their work order, and the overlapped output pass's builds, which only the forward
+    launches)."""
     todo = cp.builds(H, HV, K, V, dtype, beta_dtype, scale, backward=bwd)
     if fwd:
         return todo
     # the warm-up's M and E passes (one launch) as `cp.builds` lists them
     fwd_only = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
                                          chunk_skip=(True,), transitions=True)
+    # the overlapped output pass (`cp._output_overlapped`): the windows' E pass alone, the output passes over a skip
+    # (the training forward's saving the chunk states)
+    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
+                                          chunk_skip=(True,), states_only=True)
+    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
+                                          chunk_skip=(True,))
+    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
+                                          chunk_skip=(True,), save_states=True, state_seqs=True)
     fwd_only += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)      # the forward's warm-up decision
     fwd_only += item_order.launcher_builds(descending=(False,))               # the chunk_skip passes' order
     skip = {(b.__name__, args) for _, b, args in fwd_only}

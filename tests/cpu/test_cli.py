@@ -1,5 +1,6 @@
 """`flashdelta check` and `flashdelta warmup` argument handling, on the CPU (portable backend); the command line
 reads like a finished tool: usage, --version, described options, one-line errors for what the machine lacks."""
+import functools
 import logging
 import os
 import subprocess
@@ -303,8 +304,8 @@ def test_warmup_function_rejects_bad_options(kwargs, exc, msg):
 
 def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
     """Context parallelism's builds (`cp.builds`) where a call may split: under auto for the heads whose cost model
-    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip, windows and
-    work-order builds), for every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a
+    splits one long sequence (2/8's forward; 16/64's backward only, without the forward's chunk_skip (the warm-up's
+    passes and the overlapped output pass), windows and work-order builds), for every head config when forced, none when off; FLASHDELTA_CP and FLASHDELTA_CP_WARMUP count as at a
     call; with the beta sigmoid CP's builds read fp32 beta."""
     pytest.importorskip("tilelang")
     from flashdelta import cp
@@ -318,8 +319,11 @@ def test_warmup_lists_the_cp_builds_where_cp_may_split(monkeypatch):
     assert len(few) == len(_keys(few)), "each build once"
     assert variants([(16, 64)], num_sms=132) == variants([(16, 64)], num_sms=132, context_parallel=False)
     bwd = variants([(16, 64)], num_sms=132, backward=True)
-    skip = _keys(fused_fwd.launcher_builds(16, 64, 128, 128, BF16, F32, F32, SCALE, initial_state=(False,),
-                                           chunk_skip=(True,), transitions=True)
+    fwd = functools.partial(fused_fwd.launcher_builds, 16, 64, 128, 128, BF16, F32, F32, SCALE)
+    skip = _keys(fwd(initial_state=(False,), chunk_skip=(True,), transitions=True)
+                 + fwd(initial_state=(False,), chunk_skip=(True,), states_only=True)       # the overlapped output
+                 + fwd(initial_state=(True,), chunk_skip=(True,))                          # pass (`cp._output_
+                 + fwd(initial_state=(True,), chunk_skip=(True,), save_states=True, state_seqs=True)  # overlapped`)
                  + cp_windows.launcher_builds(16, 64, 128, BF16, F32)
                  + item_order.launcher_builds(descending=(False,)))
     assert skip and not skip & _keys(bwd)

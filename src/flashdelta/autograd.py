@@ -71,7 +71,7 @@ def _param(x: Optional[Tensor], kset: KernelSet) -> Optional[Tensor]:
 
 
 # the forward op's outputs after (o, final_state): saved for the backward where need_bwd, else empty tensors
-_SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts", "states")
+_SAVED = ("g_cumsum", "A", "beta_act_out", "q_l2", "k_l2", "q_rstd", "k_rstd", "cp_starts", "states", "k_norm2")
 
 
 def _saves_states(context_parallel: int, plan: dispatch.Plan) -> bool:
@@ -119,8 +119,16 @@ def _starts(context_parallel: int, N: int, q: Tensor, v: Tensor, cu_seqlens: Opt
     return (L, cp.bounds(B * T, N, L, None if cu_seqlens is not None else T)[0]) if L else (0, 0)
 
 
+def _saves_norms(context_parallel: int, N: int, q: Tensor, v: Tensor, varlen: bool, use_qk_l2norm: bool) -> bool:
+    """Whether the training forward saves prepare's squared key norms (`_SAVED` ``k_norm2``) for the backward's
+    warm-up condition (`cp.grad_windows` reads them instead of k): where the call's CP code, decided on the host,
+    splits the backward and the keys are not l2-normalised in the kernel (then beta alone is read)."""
+    return not use_qk_l2norm and _host_split(context_parallel, N, q, v, varlen)[1] > 0
+
+
 def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: bool, beta_act: int,
-                plan: Optional[dispatch.Plan] = None, starts: tuple = (0, 0), states: int = -1) -> list:
+                plan: Optional[dispatch.Plan] = None, starts: tuple = (0, 0), states: int = -1,
+                norms: bool = False) -> list:
     """(shape, dtype) of each `_SAVED` output, None where it is empty (a 1-D placeholder: saved tensors have 3 or 4
     dims); the real op converts to these dtypes, so the fake kernel declares what the op returns. `plan`: the call's
     (need_bwd) plan where the caller has it. A is in q's dtype from a native prepare_fwd, in the compute dtype from
@@ -128,7 +136,8 @@ def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: 
     what the backward's native stages read); the portable one's (compute dtype) are recomputed. `starts`: (the
     backward's partition length `_starts_every`, its partition slots P): the saved partition start states, K-first,
     in the state dtype. `states`: the number of sequences N where the forward saves the chunk states
-    (`_saves_states`; -1: none), in the native layout of `state_recompute` (docs/stages.md)."""
+    (`_saves_states`; -1: none), in the native layout of `state_recompute` (docs/stages.md). `norms`: the squared
+    key norms ``[1, B T, H]`` in the state dtype (`_saves_norms`)."""
     if not need_bwd:
         return [None] * len(_SAVED)
     B, T, H, K = q.shape
@@ -141,19 +150,22 @@ def _saved_meta(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, need_bwd: 
             (tuple(q.shape), q.dtype) if l2 else None, (tuple(k.shape), k.dtype) if l2 else None,
             ((1, B * T, H, 1), torch.float32) if l2 else None, ((1, B * T, H, 1), torch.float32) if l2 else None,
             ((starts[1], HV, K, v.shape[3]), gd) if starts[0] else None,
-            ((B * T // cp.BT + states + 1, HV, v.shape[3], K), q.dtype) if states >= 0 else None]
+            ((B * T // cp.BT + states + 1, HV, v.shape[3], K), q.dtype) if states >= 0 else None,
+            ((1, B * T, H), gd) if norms else None]
 
 
 def _prepare(plan: dispatch.Plan, q: Tensor, kf: Tensor, g: Tensor, beta: Tensor, cu: Tensor,
-             A_log: Optional[Tensor], dt_bias: Optional[Tensor], beta_act: int) -> tuple:
+             A_log: Optional[Tensor], dt_bias: Optional[Tensor], beta_act: int, norms: bool = False) -> tuple:
     """Stage prepare_fwd on the flat inputs, with the in-kernel gate (A_log: g is the raw gate, in a dtype the
     backend takes) and beta activation (beta_act: beta holds logits). Returns (g_cumsum, A, beta as the later stages
-    take it: the activated beta with beta_act, else the flat input)."""
+    take it: the activated beta with beta_act, else the flat input), and with `norms` the squared key norms fourth
+    (context parallelism's warm-up condition)."""
     ks = plan.kset("prepare_fwd")
     gf, bf = _flat(g), _flat(beta)
     gf = _param(gf, ks) if A_log is not None else gf.to(accum_dtype(q.dtype))
-    out = ks.prepare_fwd(kf, gf, _param(bf, ks), cu, A_log=A_log, dt_bias=dt_bias, beta_act=beta_act)
-    return out[0], out[1], (out[2] if beta_act else bf)
+    out = ks.prepare_fwd(kf, gf, _param(bf, ks), cu, A_log=A_log, dt_bias=dt_bias, beta_act=beta_act, norms=norms)
+    head = (out[0], out[1], (out[2] if beta_act else bf))
+    return head + (out[-1],) if norms else head
 
 
 _warned: set = set()
@@ -213,29 +225,36 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
     plan = _plan(q, v, need_bwd)
     states = N if need_bwd and _saves_states(context_parallel, plan) else -1
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
+    norms = need_bwd and _saves_norms(context_parallel, N, q, v, cu_seqlens is not None, use_qk_l2norm)
     if B * T == 0:
         o = q.new_zeros(B, T, HV, V)
         ht = (initial_state.to(accum_dtype(q.dtype)).clone() if initial_state is not None
               else q.new_zeros(_state_shape(N, HV, K, V, state_v_first), dtype=accum_dtype(q.dtype)))
-        meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
+        meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states, norms)
         return (o, ht, *(q.new_empty(0) if m is None else q.new_zeros(m[0], dtype=m[1]) for m in meta))
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states, norms)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     rq = rk = None
     if use_qk_l2norm:
         l2norm = plan.fn("l2norm_fwd")
         (qf, rq), (kf, rk) = l2norm(qf), l2norm(kf)
     cu = _cu(q, cu_seqlens)
-    g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     ks = plan.kset("chunk_fwd")
     L = cp.resolve_code(context_parallel, kset=ks, device=q.device, dtype=q.dtype, B=B, T=T, HV=HV, K=K, V=V, N=N,
                         varlen=cu_seqlens is not None)
+    # the squared key norms from prepare (K K^T's diagonal) where a split pass's warm-up condition reads them in
+    # place of k: this split forward, or the split backward they are saved for
+    k_norm2 = None
+    if norms or (L and not use_qk_l2norm):
+        g_cumsum, A, bf, k_norm2 = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act, norms=True)
+    else:
+        g_cumsum, A, bf = _prepare(plan, q, kf, g, beta, cu, A_log, dt_bias, beta_act)
     if L:
         parts = cp.make_plan(cu, B * T, L, seq_len=None if cu_seqlens is not None else T, kset=ks)
         # l2-normalised keys: the warm-up's condition reads beta alone (`cp.windows`)
         o, ht, *third = cp.cp_chunk_fwd(qf, kf, vf, g_cumsum, _param(bf, ks), A, _param(initial_state, ks), cu,
                                         scale=scale, state_v_first=state_v_first, plan=parts, backends=plan,
-                                        keys_normalized=use_qk_l2norm, save_states=states >= 0)
+                                        keys_normalized=use_qk_l2norm, save_states=states >= 0, k_norm2=k_norm2)
     else:
         # the unsplit forward, saving what the backward reads where it needs it: its partition start states
         # (`_starts_every`) or the chunk states (`_saves_states`), returned third
@@ -252,7 +271,7 @@ def _chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ini
                                      scale=scale, state_v_first=state_v_first, **extra)
     # what the backward would recompute (`_SAVED`), in the dtypes the fake kernel declares, or a placeholder
     got = (g_cumsum, A, bf, qf.reshape(q.shape), kf.reshape(k.shape), rq, rk, third[0] if starts[0] else None,
-           third[0] if states >= 0 else None)
+           third[0] if states >= 0 else None, k_norm2)
     saved = [q.new_empty(0) if m is None else x.to(m[1]) for x, m in zip(got, meta)]
     return (o.reshape(B, T, HV, V).to(q.dtype), ht.to(accum_dtype(q.dtype)), *saved)
 
@@ -263,7 +282,7 @@ def chunk_gdn_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   need_bwd: bool, context_parallel: int = 0, A_log: Optional[Tensor] = None,
                   dt_bias: Optional[Tensor] = None, beta_act: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                                                   Tensor, Tensor, Tensor, Tensor,
-                                                                                  Tensor, Tensor, Tensor]:
+                                                                                  Tensor, Tensor, Tensor, Tensor]:
     return _chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v_first,
                           need_bwd, context_parallel, A_log, dt_bias, beta_act)
 
@@ -277,7 +296,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, state_v
     plan = dispatch.plan(q.device, K, V, q.dtype, need_bwd=need_bwd)
     states = N if need_bwd and _saves_states(context_parallel, plan) else -1
     starts = _starts(context_parallel, N, q, v, cu_seqlens) if need_bwd and states < 0 else (0, 0)
-    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states)
+    norms = need_bwd and _saves_norms(context_parallel, N, q, v, cu_seqlens is not None, use_qk_l2norm)
+    meta = _saved_meta(q, k, v, use_qk_l2norm, need_bwd, beta_act, plan, starts, states, norms)
     return (q.new_empty(B, T, HV, V), q.new_empty(_state_shape(N, HV, K, V, state_v_first), dtype=accum_dtype(q.dtype)),
             *(q.new_empty(0) if m is None else q.new_empty(m[0], dtype=m[1]) for m in meta))
 
@@ -289,12 +309,14 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
                   A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, beta_act: int = 0,
                   g_cumsum: Optional[Tensor] = None, A: Optional[Tensor] = None, beta_act_out: Optional[Tensor] = None,
                   q_rstd: Optional[Tensor] = None, k_rstd: Optional[Tensor] = None,
-                  cp_starts: Optional[Tensor] = None, states: Optional[Tensor] = None) -> tuple[
-                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  cp_starts: Optional[Tensor] = None, states: Optional[Tensor] = None,
+                  k_norm2: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                             Tensor]:
     """Every input gradient. g_cumsum, A, beta_act_out (the activated beta, with beta_act) and q_rstd, k_rstd (with
     use_qk_l2norm; q and k are then the l2-normalised ones), cp_starts (where the forward saved the backward's
-    partition start states) and states (where it saved the chunk states, `_saves_states`) are the forward's `_SAVED`
-    outputs; where they are not given, the stages that made them run again."""
+    partition start states), states (where it saved the chunk states, `_saves_states`) and k_norm2 (prepare's squared
+    key norms, `_saves_norms`) are the forward's `_SAVED` outputs; where they are not given, the stages that made
+    them run again (the warm-up condition reads k without k_norm2)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dh0_empty = q.new_empty(0, dtype=torch.float32)
@@ -326,7 +348,7 @@ def chunk_gdn_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
         dq, dk, dv, dbeta, dG, dh0 = cp.cp_chunk_bwd(qf, kf, vf, g_cumsum, bf, A, initial_state, _flat(do), dht, cu,
                                                      scale=scale, state_v_first=state_v_first, plan=parts,
                                                      backends=plan, keys_normalized=use_qk_l2norm, starts=cp_starts,
-                                                     states=states)
+                                                     states=states, k_norm2=k_norm2)
     else:
         h = states if states is not None else ks.state_recompute(kf, vf, g_cumsum, _param(bf, ks), A,
                                                                  _param(initial_state, ks), cu,
@@ -363,7 +385,7 @@ def _param_grads(q: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor]) 
 @chunk_gdn_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_qk_l2norm, state_v_first, context_parallel=0,
       A_log=None, dt_bias=None, beta_act=0, g_cumsum=None, A=None, beta_act_out=None, q_rstd=None, k_rstd=None,
-      cp_starts=None, states=None):
+      cp_starts=None, states=None, k_norm2=None):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0, *_param_grads(q, A_log, dt_bias))
@@ -374,11 +396,12 @@ def _setup_context(ctx, inputs, output):
     A_log, dt_bias, beta_act = inputs[12:15] if len(inputs) > 12 else (None, None, 0)
     # the forward's `_SAVED` outputs, None where empty (the backward recomputes those); the normalised q and k, where
     # saved, replace the inputs
-    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk, starts, states = (x if x.dim() > 1 else None for x in output[2:])
+    g_cumsum, A, beta_out, q_l2, k_l2, rq, rk, starts, states, k_norm2 = (x if x.dim() > 1 else None
+                                                                           for x in output[2:])
     if rq is not None:
         q, k = q_l2, k_l2
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, g_cumsum, A, beta_out, rq, rk,
-                          starts, states)
+                          starts, states, k_norm2)
     ctx.mark_non_differentiable(*output[2:])
     ctx.set_materialize_grads(False)      # no zero gradients for the saved outputs
     ctx.opts = (scale, use_qk_l2norm, state_v_first)
@@ -390,7 +413,7 @@ def _backward(ctx, do, dht, *_saved_grads):
     saved = ctx.saved_tensors
     q, k, v, g, beta, initial_state, cu_seqlens = saved[:7]
     A_log, dt_bias = saved[7:9] if len(saved) > 7 else (None, None)
-    fwd_saved = saved[9:16] if len(saved) > 9 else (None,) * 7
+    fwd_saved = saved[9:17] if len(saved) > 9 else (None,) * 8
     scale, use_qk_l2norm, state_v_first = ctx.opts
     context_parallel = getattr(ctx, "cp_code", 0)
     beta_act = getattr(ctx, "beta_act", 0)

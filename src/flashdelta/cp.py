@@ -467,11 +467,12 @@ class Windows(NamedTuple):
 
 
 def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized: bool,
-                 inside: Optional[Tensor] = None) -> Tensor:
+                 inside: Optional[Tensor] = None, k_norm2: Optional[Tensor] = None) -> Tensor:
     """``[P, HV]`` bool: whether every token of each partition (`toks`, ``[P x n]`` token indices, n per partition;
     `inside` ``[P x n, 1]``: which of them count, None: all) has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the norm
     bound's condition, docs/algorithm.md §4.2; NaN: no). `keys_normalized`: ``||k||^2 <= NORMALIZED_KEY_NORM2``
-    taken for granted, beta alone is read; else the key norms (one read of k)."""
+    taken for granted, beta alone is read; else the key norms: `k_norm2` (prepare's ``[1, T, H]``, K K^T's
+    diagonal) where given, else one read of k."""
     HV = beta.shape[-1]
     b = beta[0].index_select(0, toks)                                                            # [P n, HV]
     limit = CONTRACTION_LIMIT
@@ -479,13 +480,21 @@ def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized:
         limit = CONTRACTION_LIMIT / NORMALIZED_KEY_NORM2
     else:
         H = k.shape[2]
-        nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
-        nk = nk.index_select(0, toks)
-        b = (b.view(-1, H, HV // H) * (nk * nk)[..., None]).view(-1, HV)
+        if k_norm2 is not None:
+            n2 = k_norm2[0].to(torch.promote_types(k.dtype, torch.float32)).index_select(0, toks)   # [P n, H]
+        else:
+            nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
+            n2 = nk.index_select(0, toks).square()
+        b = (b.view(-1, H, HV // H) * n2[..., None]).view(-1, HV)
     if inside is not None:
         b = torch.where(inside, b, b.new_zeros(()))
     lo, hi = torch.aminmax(b.view(P, -1, HV), dim=1)
     return (lo >= 0) & (hi <= limit)
+
+
+def _norms(k_norm2: Optional[Tensor], keys_normalized: bool) -> Optional[Tensor]:
+    """The key norms the warm-up condition reads: none where the keys are normalised (beta alone is read)."""
+    return None if keys_normalized else k_norm2
 
 
 def _kernel_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, kset) -> bool:
@@ -508,7 +517,7 @@ def _limit(beta: Tensor, keys_normalized: bool) -> float:
 
 
 def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
-            keys_normalized: bool = False, kset=None) -> Windows:
+            keys_normalized: bool = False, kset=None, k_norm2: Optional[Tensor] = None) -> Windows:
     """Per partition (not its sequence's last) and value head, the shortest suffix of its chunks whose summed log
     decay (the chunks' G_last from `g_cumsum`, added from the last chunk back) is ``<= threshold``, where every
     token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's condition, docs/algorithm.md
@@ -517,7 +526,8 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     sequence's last partition needs neither (the scan reads no summary of it): both passes skip all of it.
     `threshold` None: every head falls back (the exact path); neither the gates nor the keys are read.
     `keys_normalized`: the caller l2-normalised k (``||k||^2 <= NORMALIZED_KEY_NORM2`` in bf16), so only beta is
-    read for the condition.
+    read for the condition. `k_norm2` (keys not normalised): prepare's squared key norms ``[1, T, H]`` fp32
+    (`prepare_fwd(norms=True)`), read in place of k.
 
     On the device, into buffers sized from host ints (``[P, L]`` chunks, ``[P, 64 L]`` tokens: partitions that are
     not their sequence's last have exactly L full chunks): no host synchronisation, so CUDA graphs capture it and
@@ -533,7 +543,8 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
 
         skip_e, skip_m, fallback, suffix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L,
                                                                       threshold, _limit(beta, keys_normalized),
-                                                                      keys_normalized)
+                                                                      keys_normalized, k_norm2=_norms(k_norm2,
+                                                                                                      keys_normalized))
         return Windows(skip_e=skip_e, skip_m=skip_m, fallback=fallback, suffix=suffix, threshold=float(threshold))
     inner = ~plan.first.roll(-1)[:, None]                 # [P, 1]: slot p + 1 continues p's sequence (0 starts one)
     none = torch.full((P, HV), SKIP_ALL, dtype=torch.int32, device=dev)
@@ -548,7 +559,8 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     suffix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
     ok = suffix <= threshold
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized) & inner
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized,
+                                        k_norm2=_norms(k_norm2, keys_normalized)) & inner
     fallback = inner ^ reach
     skip_e = torch.where(reach, (L - 1 - first).to(torch.int32), walk)
     return Windows(skip_e=skip_e, skip_m=torch.where(fallback, 0, none), fallback=fallback, suffix=suffix,
@@ -667,7 +679,7 @@ def _output_overlapped(q, k, v, g_cumsum, beta, A, h0: Optional[Tensor], plan: C
 
 def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
-                 save_states: bool = False):
+                 save_states: bool = False, k_norm2: Optional[Tensor] = None):
     """The `chunk_fwd` stage (docs/stages.md) through the partitions of `plan` (`make_plan` of the same
     cu_seqlens): ``(o [1, T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K])``, exact, or with the gate-driven
     warm-up where `plan.warmup` asks for it at q's dtype (`warmup_threshold`; ``auto``: also where the cost model
@@ -678,7 +690,8 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     widths V and K (`supported`) and take `chunk_skip`. beta and the initial state as that launcher takes them.
     States are fp32 (float64 for float64 q). `scan`: ``"kernel"``, ``"serial"``, ``"log"`` or None (the scan kernel
     where `_kernel_scan` holds, else `scan_cost`'s choice). `keys_normalized`: k is l2-normalised (the API's
-    ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads beta only (`windows`). Launches: the windows (one
+    ``use_qk_l2norm_in_kernel``), so the warm-up's condition reads beta only (`windows`); else `k_norm2`, prepare's
+    squared key norms, where given, is read in place of k (`windows`). Launches: the windows (one
     `kernels.cp_windows` launch on the SM90 path with the warm-up, else small torch kernels), two `chunk_fwd` (M and E
     in one, `summaries`; the output pass), the scan (one `kernels.cp_scan` launch; the torch scans: J - 1 batched
     GEMMs for one dense sequence, about four small kernels per step for varlen), the final-state gather. With the
@@ -696,7 +709,7 @@ def cp_chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale
     launch = backends.fn("chunk_fwd")
     kset = backends.kset("chunk_fwd")
     win = windows(g_cumsum, k, beta, plan, _threshold(plan, q, v.shape[2], k.shape[-1], v.shape[-1]),
-                  keys_normalized=keys_normalized, kset=kset)
+                  keys_normalized=keys_normalized, kset=kset, k_norm2=k_norm2)
     h0 = initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if state_v_first else h0).to(accum_dtype(q.dtype))
@@ -748,7 +761,7 @@ class GradWindows(NamedTuple):
 
 
 def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: Optional[float], *,
-                 keys_normalized: bool = False, kset=None) -> GradWindows:
+                 keys_normalized: bool = False, kset=None, k_norm2: Optional[Tensor] = None) -> GradWindows:
     """The backward's mirror of `windows`: per partition that is not its sequence's first and value head, the
     shortest prefix of its chunks whose summed log decay (the chunks' G_last, added from the first chunk on) is
     ``<= threshold``, where every token of the partition has ``0 <= beta ||k||^2 <= CONTRACTION_LIMIT`` (the bound's
@@ -756,7 +769,8 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     head's M^T is zeroed for the reverse scan, so the end gradient of the partition before is F_w. A head without
     such a prefix falls back to the exact path (F over the whole partition, through M^T). A sequence's first
     partition needs neither (the reverse scan reads no F of it): chunk_dstate walks nothing of it. `threshold`
-    None: every head falls back; neither the gates nor the keys are read. `keys_normalized` as in `windows`.
+    None: every head falls back; neither the gates nor the keys are read. `keys_normalized` and `k_norm2` as in
+    `windows`.
 
     The partition that is not its sequence's first may be its last, ragged one: chunk j's G_last is the gate at
     ``min(start + 64 j + 63, end - 1)`` and chunks past the end add nothing; tokens past the end are not checked. On
@@ -773,7 +787,7 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
 
         take, fallback, prefix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L, threshold,
                                                             _limit(beta, keys_normalized), keys_normalized,
-                                                            backward=True)
+                                                            backward=True, k_norm2=_norms(k_norm2, keys_normalized))
         return GradWindows(take=take, fallback=fallback, prefix=prefix, threshold=float(threshold))
     cont = ~plan.first[:, None]                           # [P, 1]: continues its sequence (neither first nor unused)
     every = torch.where(cont, TAKE_ALL, torch.zeros((P, HV), dtype=torch.int32, device=dev))
@@ -790,7 +804,8 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     inside = (toks < eos).view(-1, 1)                     # tokens past the partition's end are not its own
     toks = torch.clamp_max(toks, T - 1).view(-1)
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside) & cont
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside,
+                                        _norms(k_norm2, keys_normalized)) & cont
     take = torch.where(reach, (first + 1).to(torch.int32), every)
     return GradWindows(take=take, fallback=cont & ~reach, prefix=prefix, threshold=float(threshold))
 
@@ -889,7 +904,7 @@ def _dqk_buffers(q: Tensor, HV: int, kset) -> Optional[tuple]:
 
 def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens, *, scale, state_v_first=False,
                  chunk_size=BT, plan: CPPlan, backends, scan: Optional[str] = None, keys_normalized: bool = False,
-                 starts: Optional[Tensor] = None, states: Optional[Tensor] = None):
+                 starts: Optional[Tensor] = None, states: Optional[Tensor] = None, k_norm2: Optional[Tensor] = None):
     """The `state_recompute` and `chunk_bwd` stages (docs/stages.md) through the partitions of `plan`
     (`make_plan` of the same cu_seqlens): what `chunk_bwd` returns for the whole sequences, ``(dq, dk
     [1, T, HV, K] per value head, dv [1, T, HV, V], dbeta, dG [1, T, HV], dh0 [N, HV, K, V] or [N, HV, V, K])``,
@@ -901,7 +916,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes, chunk_dstate for F; state_recompute
     and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None)
     and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
-    `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` as in `cp_chunk_fwd` (`grad_windows`). Steps:
+    `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` and `k_norm2` as in `cp_chunk_fwd` (`grad_windows`). Steps:
     (M, E) by one chunk_fwd launch (`summaries`) and the scan give every partition's start state; state_recompute
     over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose
     F the reverse scan never reads; with the warm-up over each head's window, `grad_windows`, whose heads' M is then
@@ -931,7 +946,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     if starts is not None and states is None and tuple(starts.shape) != (plan.P, v.shape[2], k.shape[-1], v.shape[-1]):
         raise ValueError(f"starts: [P, HV, K, V] = {[plan.P, v.shape[2], k.shape[-1], v.shape[-1]]} for this plan, "
                          f"got {list(starts.shape)}")
-    win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks)
+    win = grad_windows(g_cumsum, k, beta, plan, thr, keys_normalized=keys_normalized, kset=dks, k_norm2=k_norm2)
     # F depends on neither the start states nor M: chunk_dstate runs on the side stream beside the M pass (and the
     # E pass, scan and recompute without saved states), each filling the SMs the other leaves idle; the zero fill of
     # chunk_bwd's dq and dk goes there too (bandwidth beside compute-bound passes, off the chain). They are allocated

@@ -267,7 +267,7 @@ def _bwd_step(Q, K, V, G, b, A, S0, dO, dS1, clen, *, scale, rnd, tril):
 # ------------------------------------------------------------------------------------------------ stages
 
 def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=None, beta_act=0, compute_dtype=None,
-                operand_dtype=None):
+                operand_dtype=None, norms=False):
     """Chunk-local inclusive cumsum of g and the ungated WY inverse A (docs/algorithm.md §2.1). Gates below
     `numerics.GATE_FLOOR` (-inf included) count as GATE_FLOOR (docs/numerics.md).
 
@@ -278,7 +278,8 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=No
     Returns ``g_cumsum [1,T,HV]`` (float32; float64 when compute_dtype is float64; 0 on padding) and
     ``A [1,T,HV,BT]`` (row i of each chunk's ``(I + strictly_lower(diag(b) K K^T))^{-1}`` at token
     ``chunk_start + i``; columns past the chunk's length are 0), in `operand_dtype` if set else compute_dtype; with
-    `beta_act`, a third tensor: the activated beta ``[1,T,HV]`` in g_cumsum's dtype, 0 on padding.
+    `beta_act`, a third tensor: the activated beta ``[1,T,HV]`` in g_cumsum's dtype, 0 on padding; with `norms`,
+    last, the squared key norms ``[1,T,H]`` (g_cumsum's dtype; 0 on padding), K K^T's diagonal.
     """
     cd = _resolve(compute_dtype, operand_dtype, k)
     gd = accum_dtype(cd)
@@ -306,7 +307,10 @@ def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=No
     Ac = torch.linalg.solve_triangular(Lm, eye, upper=False, unitriangular=True)
     adt = operand_dtype if operand_dtype is not None else cd
     A = _scatter(Ac, lay, adt)
-    return (g_cumsum, A, beta) if beta_act else (g_cumsum, A)
+    out = (g_cumsum, A, beta) if beta_act else (g_cumsum, A)
+    if norms:
+        out += (_scatter(kc.square().sum(-1), lay, gd),)            # [NT, H, BT] -> [1, T, H]
+    return out
 
 
 def _gather_all(q, k, v, g_cumsum, beta, A, lay, cd):

@@ -18,7 +18,7 @@ import torch
 
 from . import cp
 from .gates import beta_act_code
-from .kernels import _tl, cp_windows, fused_fwd, item_order, sm90
+from .kernels import _tl, cp_windows, fused_fwd, item_order, prepare, sm90
 
 # the longest single sequence (tokens) `variants` asks the CP cost models about: a split that pays for no sequence
 # up to this long gets no builds under auto
@@ -168,6 +168,8 @@ def variants(heads: Iterable[tuple], *, head_dim: tuple = (128, 128), dtype=torc
         fwd, bwd = cp_passes(request, HV, K, V, dtype, sms=sms, backward=backward)
         if fwd or bwd:
             out += _cp_builds(H, HV, K, V, dtype, sm90.stage_beta_dtype(beta_dtype, beta_act), opts["scale"], fwd, bwd)
+            # prepare with the squared key norms the split passes' warm-up condition reads (`cp.windows`)
+            out += prepare.launcher_builds(H, HV, K, dtype, beta_dtype, sms, **prep, beta_act=beta_act, norms=True)
         if bwd:         # the unsplit forward saving the backward's partition start states
             out += sm90.starts_builds([(H, HV)], **opts, beta_act=beta_act)
     if decode:

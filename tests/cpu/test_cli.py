@@ -88,12 +88,15 @@ def test_warmup_function_rejects_bad_arguments(kwargs, exc, msg):
 
 def test_warmup_num_sms_sizes_the_persistent_prepare():
     """The persistent prepare build's grid is the target GPU's SM count (a cache built on a CPU for an H20 or
-    H100 PCIe must say so), float64 beta builds the fp32 kernels the forward runs."""
+    H100 PCIe must say so), its build with the squared key norms too (listed where CP may split, as at 16/16: the
+    norms flag after the SM count); float64 beta builds the fp32 kernels the forward runs."""
     from flashdelta.precompile import variants
 
     for n in (78, 114, 132):
-        pipe = [a for label, _, a in variants([(16, 16)], num_sms=n) if "persistent" in label]
-        assert len(pipe) == 1 and pipe[0][-1] == n
+        pipe = [(label, a) for label, _, a in variants([(16, 16)], num_sms=n) if "persistent" in label]
+        assert [a[10:] for label, a in pipe if not label.endswith(" norms")] == [(n,)]
+        assert all(a[10:] == (n, True) for label, a in pipe if label.endswith(" norms"))
+        assert len(pipe) == 2 or n != 132
     assert variants([(2, 8)], beta_dtype=torch.float64) == variants([(2, 8)], beta_dtype=torch.float32)
 
 

@@ -30,9 +30,13 @@ def test_variants_are_the_launchers_builds():
     assert todo[3][1:] == (fused_fwd_wide.build, fused)     # the API's pick where its CTAs fill waves
     want = prepare.launcher_builds(2, 4, 128, torch.bfloat16, torch.bfloat16, num_sms=132)
     assert precompile.variants([(2, 4)], beta_dtype=torch.bfloat16, num_sms=132, qk_l2norm=False)[:1] == want
-    # prepare_fwd once per build the launcher may pick: GVA 8 splits its heads on small grids
-    assert [label.split()[0] for label, _, _ in precompile.variants([(1, 8)], initial_state=(True,))].count(
-        "prepare_fwd") == 2
+    # prepare_fwd once per build the launcher may pick: GVA 8 splits its heads on small grids (and, where context
+    # parallelism may split, each again with the squared key norms its warm-up condition reads)
+    assert [label.split()[0] for label, _, _ in precompile.variants([(1, 8)], initial_state=(True,),
+                                                                    context_parallel=False)].count("prepare_fwd") == 2
+    labels = [label for label, _, _ in precompile.variants([(1, 8)], initial_state=(True,), context_parallel=True)
+              if label.startswith("prepare_fwd")]
+    assert len(labels) == 4 and sum(label.endswith(" norms") for label in labels) == 2
     # both layouts and h0 on/off: four fused builds per head config
     assert len([b for _, b, _ in precompile.variants([(2, 8)], state_v_first=(False, True), context_parallel=False)
                 if b is fused_fwd.build]) == 4

@@ -1,5 +1,7 @@
 """The `prepare` launcher's choices on the CPU: which kernel and heads-per-CTA split it picks, and that what it may
 pick is what `launcher_builds` lists (what `flashdelta warmup` compiles and the CPU tier checks)."""
+import re
+
 import pytest
 import torch
 
@@ -162,3 +164,24 @@ def test_builds_without_options_carry_no_activation():
     nobias = prepare_pipe.build.get_tir(*prepare_pipe.builder_args(2, 6, 128, bf16, f32, 0, 132,
                                                                    prepare.options(f32, f32, None, 0))).script()
     assert "fd_gdn_gate_cumsum<3, false>" in nobias and "dt_bias" not in nobias and "beta_out" not in nobias
+    assert "k_norm2" not in plain and "k_norm2" not in full
+
+
+def test_norms_builds_write_the_key_norms():
+    """The builds with the squared key norms (`norms`): the flag appended to the compile key only when set (the
+    other builds keep theirs), listed by `launcher_builds(norms=True)` for both kernels, and each compiles with the
+    ``k_norm2`` output written from K K^T's diagonal tile, passing the hang checks."""
+    from _builds import hang_checks
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert prepare_oneshot.builder_args(2, 6, 128, bf16, f32, norms=True) == \
+        prepare_oneshot.builder_args(2, 6, 128, bf16, f32) + (True,)
+    assert prepare_pipe.builder_args(2, 6, 128, bf16, f32, 0, 132, norms=True)[-2:] == (132, True)
+    builds = prepare.launcher_builds(4, 12, 128, bf16, f32, num_sms=132, norms=True)
+    assert [b for _, b, _ in builds] == [prepare_oneshot.build, prepare_pipe.build]
+    assert all(label.endswith(" norms") and a[-1] is True for label, _, a in builds)
+    for _, b, a in builds:
+        kernel = b(*a)
+        src = kernel.get_kernel_source()
+        assert hang_checks(src, kernel.get_host_source()) == []
+        assert re.search(r"k_norm2\[.*\] = \(\(float\*\)kkd_shared\)", src), "the diagonal of K K^T"

@@ -106,26 +106,30 @@ def test_overlap_builds_compile_and_pass_the_checks(sm90_build, sm90_kernels):
 
 
 WINDOWS_BUILDS = {
-    # (H, HV, K, k dtype, beta dtype, keys_normalized[, backward]): the benchmark rows' heads, GVA 1 with fp16,
-    # float64 beta, the backward's
+    # (H, HV, K, k dtype, beta dtype, keys_normalized[, backward[, norms]]): the benchmark rows' heads, GVA 1 with
+    # fp16, float64 beta, the backward's, the builds reading prepare's key norms
     "2-8-128-bf16-fp32": (2, 8, 128, torch.bfloat16, torch.float32, False),
     "2-8-128-bf16-fp32-normalized": (2, 8, 128, torch.bfloat16, torch.float32, True),
     "16-16-64-fp16-fp16": (16, 16, 64, torch.float16, torch.float16, False),
     "1-4-256-bf16-fp64": (1, 4, 256, torch.bfloat16, torch.float64, False),
     "2-8-128-bf16-fp32-bwd": (2, 8, 128, torch.bfloat16, torch.float32, False, True),
     "16-16-64-fp16-fp16-normalized-bwd": (16, 16, 64, torch.float16, torch.float16, True, True),
+    "2-8-128-bf16-fp32-norms": (2, 8, 128, torch.bfloat16, torch.float32, False, False, True),
+    "1-4-256-bf16-fp64-norms-bwd": (1, 4, 256, torch.bfloat16, torch.float64, False, True, True),
 }
 
 
 def test_windows_builds_are_listed_where_cp_lists_its_builds():
-    """`kernels.cp_windows` (the SM90 path's warm-up decisions): both keys_normalized builds of the forward's in
-    `cp.builds`, the backward's too with the backward, none where it does not take the heads."""
+    """`kernels.cp_windows` (the SM90 path's warm-up decisions): both keys_normalized builds of the forward's and the
+    one reading prepare's key norms in `cp.builds`, the backward's too with the backward, none where it does not take
+    the heads."""
     args = functools.partial(cp_windows.builder_args, 2, 8, 128, torch.bfloat16, torch.float32)
     fwd = {a for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5)
            if b is cp_windows.build}
     both = {a for _, b, a in cp.builds(2, 8, 128, 128, torch.bfloat16, torch.float32, 128 ** -0.5, backward=True)
             if b is cp_windows.build}
-    assert fwd == {args(False), args(True)} and both == fwd | {args(False, True), args(True, True)}
+    assert fwd == {args(False), args(True), args(False, False, True)}
+    assert both == fwd | {args(False, True), args(True, True), args(False, True, True)}
     assert cp_windows.launcher_builds(2, 8, 96, torch.bfloat16, torch.float32) == []
     assert cp_windows.unsupported(2, 8, 128, torch.float32, torch.float32) is not None
     assert cp_windows.unsupported(3, 8, 128, torch.bfloat16, torch.float32) is not None
@@ -135,8 +139,8 @@ def test_windows_builds_are_listed_where_cp_lists_its_builds():
     cp_windows.build, {n: cp_windows.builder_args(*a) for n, a in WINDOWS_BUILDS.items()}), ptxas=()))
 def test_windows_kernel_compiles_and_passes_the_checks(sm90_build, sm90_kernels, tmp_path):
     """Each windows build compiles for sm_90a, passes the hang checks, takes the plan's buffers and two float64
-    scalars, uses no tensor cores, reads k only without keys_normalized (through the TMA pipeline), and keeps its
-    state in registers (no spills, no stack)."""
+    scalars, uses no tensor cores, reads k only without keys_normalized and without prepare's norms (through the TMA
+    pipeline; the norms builds read ``k_norm2`` instead), and keeps its state in registers (no spills, no stack)."""
     name = sm90_build[0]
     kernel = pooled(sm90_kernels, sm90_build)
     src = kernel.get_kernel_source()
@@ -146,8 +150,10 @@ def test_windows_kernel_compiles_and_passes_the_checks(sm90_build, sm90_kernels,
     assert "wgmma" not in src and "setmaxnreg" not in src
     body = src[src.index("{", src.index("__launch_bounds__")):]
     reads_k = re.search(r"(?<![\w.])k\[|\(k \+|\bk_desc\b", body) is not None      # a load or its TMA
-    assert reads_k != WINDOWS_BUILDS[name][5], "k is read exactly without keys_normalized"
-    backward = len(WINDOWS_BUILDS[name]) > 6
+    norms = len(WINDOWS_BUILDS[name]) > 7
+    assert reads_k != (WINDOWS_BUILDS[name][5] or norms), "k is read exactly without keys_normalized or the norms"
+    assert ("k_norm2" in sig) == norms
+    backward = len(WINDOWS_BUILDS[name]) > 6 and WINDOWS_BUILDS[name][6]
     assert ("skip_m" in sig) != backward and "int* __restrict__ chunks" in sig
     report = ptxas_report(src, tmp_path, name)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)

@@ -193,6 +193,33 @@ def test_windows_contraction_condition(which):
         assert torch.equal(got.fallback[:p_b + 1], base.fallback[:p_b + 1])
 
 
+@pytest.mark.parametrize("which", list(CONTRACTION))
+def test_windows_read_prepares_key_norms(which):
+    """With prepare's squared key norms (`prepare_fwd(norms=True)`: K K^T's diagonal, the portable twin's sum of
+    squares) in place of k the warm-up decides as it does reading k, on the base case and with the contraction
+    condition broken by a long key and by beta (the norms recomputed from the changed k)."""
+    fn, fields, p_a, p_b, tokens = CONTRACTION[which]
+    case, L, thr = WINDOW_CASES[0]
+    x, q, k, v, g_cumsum, beta, A, cu, _ = _stage_inputs(case)
+    plan = cp.make_plan(cu, q.shape[1], L)
+    t_a, t_b = tokens(plan.cu, p_a, p_b)
+    k2, beta2 = k.clone(), beta.clone()
+    k2[0, t_b, 0] *= 2.0
+    beta2[0, t_b, :] = 0.9
+    beta2[0, t_a, 5] = 2.5
+    for kk, bb in ((k, beta), (k2, beta2)):
+        norms = portable.prepare_fwd(kk, x["g"].reshape(1, -1, case.HV), bb, cu, norms=True)[-1]
+        assert norms.shape == (1, kk.shape[1], case.H)
+        assert torch.equal(norms[0, :int(cu[-1])], kk[0, :int(cu[-1])].square().sum(-1))
+        got, want = fn(g_cumsum, kk, bb, plan, thr, k_norm2=norms), fn(g_cumsum, kk, bb, plan, thr)
+        for a, b in zip(got[:fields], want[:fields]):
+            assert torch.equal(a, b)
+    assert bool(got.fallback[p_b].all()), "the long key reaches every head of p_b through the norms"
+    inner = want.fallback | (fn(g_cumsum, kk, bb, plan, None).fallback)
+    loud = fn(g_cumsum, kk, bb, plan, thr, k_norm2=norms * 100.0)       # the norms, not k, decide
+    assert torch.equal(loud.fallback, fn(g_cumsum, kk, bb, plan, None).fallback) and bool(inner.any())
+
+
 def test_windows_need_no_device_values():
     """The windows trace on meta tensors (a data-dependent op, `.item()` or a host read would raise there): CUDA
     graphs capture them and replay them with new lengths."""
@@ -818,18 +845,22 @@ def _grads(x, cpv, seed=3):
 def test_api_warmup_gradients_within_the_threshold(case, L, thr, monkeypatch):
     """float64 through the public API with the warm-up on (FLASHDELTA_CP_WARMUP = the threshold, the request the
     forward's plan and the backward's share): every gradient differs from serial by at most ~exp(threshold) and
-    really truncates; with the warm-up off they equal serial to 1e-12."""
+    really truncates; with the warm-up off they equal serial to 1e-12. Both passes' warm-up conditions read prepare's
+    squared key norms (the forward's, saved for the backward) in place of k."""
     x = make_inputs(case, dtype=torch.float32)
     x = {n: (t.to(F64) if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
-    calls = []
+    calls, norms = [], []
     for tag in ("fwd", "bwd"):
         real = getattr(cp, f"cp_chunk_{tag}")
         monkeypatch.setattr(cp, f"cp_chunk_{tag}", lambda *a, tag=tag, real=real, **kw: calls.append(
-            (tag, kw["plan"].warmup)) or real(*a, **kw))
+            (tag, kw["plan"].warmup)) or norms.append(kw.get("k_norm2")) or real(*a, **kw))
     ser = _grads(x, False)
     monkeypatch.setenv(cp.ENV_WARMUP, str(thr))
     warm = _grads(x, L)
     assert calls == [("fwd", thr), ("bwd", thr)]
+    k = x["k"].reshape(1, -1, *x["k"].shape[2:])
+    n_tok = int(x["cu_seqlens"][-1]) if x["cu_seqlens"] is not None else k.shape[1]
+    assert norms[0] is norms[1] and torch.equal(norms[0][0, :n_tok], k[0, :n_tok].square().sum(-1))
     monkeypatch.setenv(cp.ENV_WARMUP, "0")
     exact = _grads(x, L)
     worst = 0.0

@@ -248,6 +248,29 @@ def test_windows_kernel_matches_the_torch_windows(i, normalized):
     assert exact.suffix is None and torch.equal(exact.fallback.cpu(), inner[:, None].expand(plan.P, HV))
 
 
+@pytest.mark.parametrize("i", range(len(WINDOWS_KERNEL_CASES)))
+@pytest.mark.parametrize("fn", [cp.windows, cp.grad_windows], ids=["fwd", "bwd"])
+def test_windows_kernel_with_key_norms(i, fn):
+    """The windows kernels reading prepare's squared key norms (`k_norm2`, `prepare_fwd(norms=True)`) in place of k
+    decide as they do reading k on these cases (the same violations: the long key, beta past the bound), and as the
+    torch path given the same norms, bit for bit."""
+    from flashdelta.kernels import prepare, sm90
+
+    before, pad, H, HV, K, dtype, beta_dtype, L = WINDOWS_KERNEL_CASES[i]
+    g_cumsum, k, beta, cu, T = _windows_inputs(before, pad, H, HV, K, dtype, beta_dtype, L)
+    plan = cp.make_plan(cu, T, L, kset=sm90.KERNELS)
+    k_norm2 = prepare.prepare_fwd(k, torch.zeros_like(g_cumsum), beta.float(), cu, norms=True)[-1]
+    thr = cp.WARMUP_THRESHOLD
+    got = fn(g_cumsum, k, beta, plan, thr, kset=sm90.KERNELS, k_norm2=k_norm2)
+    from_k = fn(g_cumsum, k, beta, plan, thr, kset=sm90.KERNELS)
+    torch_norms = fn(g_cumsum, k, beta, plan, thr, k_norm2=k_norm2)
+    torch.cuda.synchronize()
+    for name in ("fallback", "skip_e", "skip_m", "take"):
+        if hasattr(got, name):
+            a = getattr(got, name)
+            assert torch.equal(a, getattr(from_k, name)) and torch.equal(a, getattr(torch_norms, name)), name
+
+
 def _sequential_prefix(g_cumsum, plan):
     """`GradWindows.prefix` by an explicit loop on the CPU: chunk j's last gate in the partition (the token clamped
     to [0, T - 1]), 0 for chunks past its end, added one float64 addition after the other from 0."""

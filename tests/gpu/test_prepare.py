@@ -64,6 +64,24 @@ def test_prepare_fwd_persistent(case):
         assert torch.equal(split[0], g_cumsum) and torch.equal(split[1], A), f"heads_per_cta={hpc}"
 
 
+@pytest.mark.parametrize("case", PREP_CASES, ids=str)
+def test_prepare_fwd_key_norms(case):
+    """`prepare_fwd(norms=True)` (both kernels, every value-head split): the squared key norms (K K^T's diagonal)
+    against the float64 sum of squares to fp32 accumulation (1e-6), unwritten on the padding tail; g_cumsum and A
+    bit for bit as without them."""
+    k, g, beta, cu = _inputs(case)
+    plain = prepare.prepare_fwd(k, g, beta, cu)
+    n_tok = int(cu[-1])
+    want = k[0, :n_tok].double().square().sum(-1)                                   # [T, H]
+    for persistent in (False, True):
+        for hpc in prepare.heads_per_cta_options(case.H, case.HV):
+            got = prepare.prepare_fwd(k, g, beta, cu, persistent=persistent, heads_per_cta=hpc, norms=True)
+            torch.cuda.synchronize()
+            assert len(got) == 3 and got[2].shape == (1, k.shape[1], case.H) and got[2].dtype == torch.float32
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), (persistent, hpc)
+            assert_close("k_norm2", got[2][0, :n_tok], want, tol=1e-6)
+
+
 @pytest.mark.parametrize("case", PREP_SPLIT_CASES, ids=str)
 def test_prepare_fwd_heads_per_cta(case):
     """Every split of a key head's value heads over CTAs gives the same bits (each head's inverse is computed the

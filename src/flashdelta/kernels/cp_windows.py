@@ -49,9 +49,12 @@ F32, F64, I32 = "float32", "float64", "int32"
 
 
 @_tl.jit()
-def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized: bool, backward: bool = False):
+def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized: bool, backward: bool = False,
+          norms: bool = False):
     """The kernel (`backward`: `cp.grad_windows`'s, else `cp.windows`'s); T (tokens), P (slots) and L (chunks per
-    partition) are dynamic."""
+    partition) are dynamic. norms: the squared key norms come in as ``k_norm2 [T, H]`` fp32 (prepare's, K K^T's
+    diagonal) and k is not read."""
+    assert not (norms and keys_normalized), "norms: for keys that are not normalised"
     G = HV // H
     TBK = TB if K <= 128 else TB // 2           # tokens a tile: k's part is at most 64 KB
     CD = F64 if beta_dtype == F64 else F32      # beta x ||k||^2 as torch promotes it
@@ -97,6 +100,7 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
         sums: T.Tensor((P_, L_, HV), F64),
         threshold: T.float64,
         limit: T.float64,
+        k_norm2: T.Tensor((T_, H), F32) if norms else None,
     ):
         with T.Kernel(P_, H, threads=THREADS) as (p, kh):
             tx = T.get_thread_binding()
@@ -153,6 +157,14 @@ def build(H: int, HV: int, K: int, dtype: str, beta_dtype: str, keys_normalized:
                 for it in T.serial(T.ceildiv(n_tok, TBK)):
                     check_tile(beta, b0, b1, b2, b3, ns, bad, bos, it, n_tok, limit)
                     T.sync_threads()
+            elif norms:
+                for it in T.serial(T.ceildiv(n_tok, TBK)):
+                    for i in T.Parallel(TBK):
+                        ns[i] = T.if_then_else(it * TBK + i < n_tok, k_norm2[T.min(bos + it * TBK + i, T_ - 1), kh],
+                                               0.0)
+                    T.sync_threads()
+                    check_tile(beta, b0, b1, b2, b3, ns, bad, bos, it, n_tok, limit)
+                    T.sync_threads()
             else:
                 for it in T.Pipelined(T.ceildiv(n_tok, TBK), num_stages=NS):
                     T.copy(k[bos + it * TBK:bos + it * TBK + TBK, kh, :], ks)
@@ -190,28 +202,32 @@ def unsupported(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch
 
 
 def builder_args(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype, keys_normalized: bool,
-                 backward: bool = False) -> tuple:
-    """The `build` arguments (its compile-cache key)."""
-    return (H, HV, K, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], bool(keys_normalized), bool(backward))
+                 backward: bool = False, norms: bool = False) -> tuple:
+    """The `build` arguments (its compile-cache key; `norms` appended only when set)."""
+    return (H, HV, K, _tl.TL_DTYPE[dtype], _tl.TL_DTYPE[beta_dtype], bool(keys_normalized), bool(backward),
+            *((True,) if norms else ()))
 
 
 def launcher_builds(H: int, HV: int, K: int, dtype: torch.dtype, beta_dtype: torch.dtype,
-                    keys_normalized: tuple = (False, True), backward: tuple = (False,)) -> list:
+                    keys_normalized: tuple = (False, True), backward: tuple = (False,), norms: bool = True) -> list:
     """(label, builder, args) of the windows kernel for each `keys_normalized` and direction (`backward`: the
-    backward's, `cp.grad_windows`); none where it does not take the heads or dtypes."""
+    backward's, `cp.grad_windows`), and with `norms` the builds reading prepare's key norms (keys not normalised);
+    none where it does not take the heads or dtypes."""
     if unsupported(H, HV, K, dtype, beta_dtype) is not None:
         return []
-    return [(f"cp_windows{' bwd' if b else ''} {H}/{HV} K={K}{' normalized' if n else ''}", build,
-             builder_args(H, HV, K, dtype, beta_dtype, n, b)) for b in backward for n in keys_normalized]
+    kinds = [(n, False) for n in keys_normalized] + ([(False, True)] if norms and False in keys_normalized else [])
+    return [(f"cp_windows{' bwd' if b else ''} {H}/{HV} K={K}{' normalized' if n else ''}{' norms' if m else ''}",
+             build, builder_args(H, HV, K, dtype, beta_dtype, n, b, m)) for b in backward for n, m in kinds]
 
 
 def windows_tensors(g_cumsum: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, cu: torch.Tensor,
                     first: torch.Tensor, L: int, threshold: float, limit: float, keys_normalized: bool,
-                    backward: bool = False) -> tuple:
+                    backward: bool = False, k_norm2=None) -> tuple:
     """`cp.windows` on the warm-up path as ``(skip_e, skip_m, fallback, suffix)``, or with `backward`
     `cp.grad_windows` as ``(take, fallback, prefix)``: g_cumsum ``[1, T, HV]`` fp32, k ``[1, T, H, K]``, beta
     ``[1, T, HV]``, the plan's ``cu [P + 1]`` int32 and ``first [P]`` bool, all on the GPU, T >= 1; `limit` the
-    contraction bound as the comparison takes it (`cp.windows`). One launch, no host synchronisation."""
+    contraction bound as the comparison takes it (`cp.windows`); `k_norm2` None, or prepare's squared key norms
+    ``[1, T, H]`` fp32 read in place of k (keys not normalised). One launch, no host synchronisation."""
     _, T_, HV = g_cumsum.shape
     H, K = k.shape[2], k.shape[3]
     P = cu.shape[0] - 1
@@ -221,9 +237,12 @@ def windows_tensors(g_cumsum: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     skip_m = torch.empty((1,) if backward else (P, HV), dtype=torch.int32, device=dev)
     fallback = torch.empty(P, HV, dtype=torch.uint8, device=dev)
     sums = torch.empty(P, L, HV, dtype=torch.float64, device=dev)
-    kernel = build(*builder_args(H, HV, K, k.dtype, beta.dtype, keys_normalized, backward))
+    norms = k_norm2 is not None
+    kernel = build(*builder_args(H, HV, K, k.dtype, beta.dtype, keys_normalized, backward, norms))
+    extra = (k_norm2[0].contiguous(),) if norms else ()
     kernel(g_cumsum[0].contiguous(), k[0].contiguous(), beta[0].contiguous(), cu.contiguous(),
-           first.contiguous().view(torch.uint8), chunks, skip_m, fallback, sums, float(threshold), float(limit))
+           first.contiguous().view(torch.uint8), chunks, skip_m, fallback, sums, float(threshold), float(limit),
+           *extra)
     if backward:
         return chunks, fallback.view(torch.bool), sums
     return chunks, skip_m, fallback.view(torch.bool), sums

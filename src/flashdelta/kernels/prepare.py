@@ -82,25 +82,29 @@ def _label(opts: tuple) -> str:
 def launcher_builds(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
                     num_sms: Optional[int] = None, *, g_dtype: torch.dtype = torch.float32,
                     a_log_dtype: Optional[torch.dtype] = None, dt_bias_dtype: Optional[torch.dtype] = None,
-                    beta_act: int = 0) -> list:
+                    beta_act: int = 0, norms: bool = False) -> list:
     """(label, builder, args) of every kernel `prepare_fwd` may launch for these heads: the one-shot kernel's
     heads-per-CTA splits and, for `PIPE_GVA`, the persistent kernel. num_sms (the persistent kernel's grid): this
     machine's GPU if there is one, else 132 (H100 SXM, H200). The options as `prepare_fwd` takes them: the gate's
-    dtype (fp32 without the in-kernel gate), A_log's and dt_bias' (None: no in-kernel gate, no bias), beta_act."""
+    dtype (fp32 without the in-kernel gate), A_log's and dt_bias' (None: no in-kernel gate, no bias), beta_act;
+    norms: the builds that also write the squared key norms (`prepare_fwd(norms=True)`)."""
     opts = options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
-    out = [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}{_label(opts)}", prepare_oneshot.build,
-            prepare_oneshot.builder_args(H, HV, K, k_dtype, beta_dtype, hpc, opts))
+    label = _label(opts) + (" norms" if norms else "")
+    out = [(f"prepare_fwd H={H} HV={HV} K={K} heads/CTA={hpc}{label}", prepare_oneshot.build,
+            prepare_oneshot.builder_args(H, HV, K, k_dtype, beta_dtype, hpc, opts, norms=norms))
            for hpc in launcher_heads_per_cta(H, HV)]
     if HV // H in PIPE_GVA:
         num_sms = _tl.num_sms() if num_sms is None else num_sms
-        out.append((f"prepare_fwd H={H} HV={HV} K={K} persistent{_label(opts)}", prepare_pipe.build,
-                    prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms, options=opts)))
+        out.append((f"prepare_fwd H={H} HV={HV} K={K} persistent{label}", prepare_pipe.build,
+                    prepare_pipe.builder_args(H, HV, K, k_dtype, beta_dtype, num_sms=num_sms, options=opts,
+                                              norms=norms)))
     return out
 
 
 def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 chunk_size: int = 64, A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-                beta_act: int = 0, persistent: Optional[bool] = None, heads_per_cta: Optional[int] = None) -> tuple:
+                beta_act: int = 0, persistent: Optional[bool] = None, heads_per_cta: Optional[int] = None,
+                norms: bool = False) -> tuple:
     """Chunk-local gate cumsum and the per-chunk WY inverse (docs/stages.md `prepare_fwd`), with the in-kernel gate
     and beta activations.
 
@@ -117,11 +121,13 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
             launcher's pick (`use_pipe`).
         heads_per_cta: value heads per CTA (one-shot) or work item (persistent), a divisor of HV / H; None: the
             launcher's pick (`pick_heads_per_cta`; all of them for the persistent kernel).
+        norms: also return, last, the squared key norms ``[1, T, H]`` fp32 (K K^T's diagonal; unset on the padding
+            tail): context parallelism's warm-up condition reads them instead of k (`flashdelta.cp.windows`).
 
     Returns:
         g_cumsum ``[1, T, HV]`` fp32 (0 on padding), and A ``[1, T, HV, BT]`` in k's dtype: token
         ``chunk_start + i`` holds row i of ``(I + strictly_lower(diag(beta) K K^T))^{-1}``; with beta_act, a third
-        tensor: the activated beta ``[1, T, HV]`` fp32 (0 on padding).
+        tensor: the activated beta ``[1, T, HV]`` fp32 (0 on padding); with norms the key norms last.
     """
     _, n_tok, H, K = k.shape
     HV = g.shape[-1]
@@ -132,7 +138,8 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         g, A_log, dt_bias = (None if x is None else x.to(_kernel_dtype(x.dtype)).contiguous()
                              for x in (g, A_log, dt_bias))
     cu_seqlens, g_cumsum, A, beta_out = fwd_outputs(k, g, beta, cu_seqlens, chunk_size, A_log, beta_act)
-    out = (g_cumsum, A) if beta_out is None else (g_cumsum, A, beta_out)
+    k_norm2 = _tl.alloc((1, n_tok, H), torch.float32, k.device) if norms else None
+    out = (g_cumsum, A) + ((beta_out,) if beta_out is not None else ()) + ((k_norm2,) if norms else ())
     if n_tok == 0:
         return out
     num_sms = _tl.num_sms(k.device)
@@ -140,8 +147,9 @@ def prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens
         persistent = heads_per_cta is None and use_pipe(H, HV, K, n_tok, cu_seqlens.shape[0] - 1, num_sms)
     tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
     if persistent:
-        prepare_pipe.launch(*tensors, num_sms=num_sms, heads_per_cta=heads_per_cta or 0, beta_act=beta_act)
+        prepare_pipe.launch(*tensors, num_sms=num_sms, heads_per_cta=heads_per_cta or 0, beta_act=beta_act,
+                            k_norm2=k_norm2)
     else:
         hpc = pick_heads_per_cta(H, HV, n_tok, num_sms) if heads_per_cta is None else heads_per_cta
-        prepare_oneshot.launch(*tensors, heads_per_cta=hpc, beta_act=beta_act)
+        prepare_oneshot.launch(*tensors, heads_per_cta=hpc, beta_act=beta_act, k_norm2=k_norm2)
     return out

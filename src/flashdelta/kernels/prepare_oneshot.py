@@ -45,11 +45,13 @@ def min_blocks(H: int, HV: int, heads_per_cta: int) -> int:
 
 @_tl.jit(table=TABLE)
 def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, g_dtype: str = F32,
-          a_log_dtype: Optional[str] = None, dt_bias_dtype: Optional[str] = None, beta_act: int = 0):
+          a_log_dtype: Optional[str] = None, dt_bias_dtype: Optional[str] = None, beta_act: int = 0,
+          norms: bool = False):
     """heads_per_cta: value heads each CTA inverts (a divisor of HV / H; 0 = all of its key head's); the build is
     sized for `min_blocks` CTAs per SM. g_dtype, a_log_dtype, dt_bias_dtype, beta_act: the in-kernel activations
     (prepare_common.py; an A_log dtype makes g the raw gate, None drops A_log / dt_bias; beta_act 1 or 2 makes beta
-    logits and adds the activated beta's output)."""
+    logits and adds the activated beta's output). norms: also write the squared key norms ``[1, T, H]`` fp32, the
+    diagonal of K K^T (context parallelism's warm-up condition reads them instead of k)."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K
     check_options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
@@ -78,6 +80,7 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
         beta_out: T.Tensor((1, n_tok, HV), F32) if beta_act else None,
+        k_norm2: T.Tensor((1, n_tok, H), F32) if norms else None,
     ):
         with T.Kernel(_chunks.num_slots(n_tok, n_seqs, BT), H * NG, threads=THREADS, prelude=prelude) as (i_s, i_y):
             T.annotate_min_blocks_per_sm(blocks)
@@ -132,6 +135,12 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                     # warp w inverts value heads w, w + NW, ... (`_ptx.WY_INVERSE_PRELUDE`); every thread makes the
                     # call (no branch around it: no barrier can diverge), a warp without a head returns at once
                     T.sync_threads()
+                    if norms:
+                        # the squared key norms: K K^T's diagonal (the CTAs of the key head's first value-head group)
+                        if i_y % NG == 0:
+                            for i in T.Parallel(BT):
+                                if t0 + i < eos:
+                                    k_norm2[0, t0 + i, i_h] = kkd_shared[i // B16, i % B16, i % B16]
                     warp = tid // 32
                     for rnd in T.serial(T.ceildiv(G, NW)):
                         j = rnd * NW + warp
@@ -165,16 +174,21 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype,
-                 heads_per_cta: int = 0, options: tuple = (F32, None, None, 0)) -> tuple:
+                 heads_per_cta: int = 0, options: tuple = (F32, None, None, 0), norms: bool = False) -> tuple:
     """The `build` arguments (its compile-cache key) for one call; heads_per_cta 0 (or HV / H): every value head of
-    a key head in one CTA; options: `prepare_common.option_args` (default: g fp32 log decays, beta as given)."""
-    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), *options)
+    a key head in one CTA; options: `prepare_common.option_args` (default: g fp32 log decays, beta as given);
+    norms: the squared key norms' output (appended only when set: the other builds keep their cache keys)."""
+    return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), *options,
+            *((True,) if norms else ()))
 
 
-def launch(k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out, *, heads_per_cta: int, beta_act: int):
-    """Builds (or loads) the kernel for these inputs and runs it into g_cumsum, A and beta_out (checked and
-    allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out None where absent)."""
+def launch(k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out, *, heads_per_cta: int, beta_act: int,
+           k_norm2=None):
+    """Builds (or loads) the kernel for these inputs and runs it into g_cumsum, A, beta_out and k_norm2 (checked and
+    allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out, k_norm2 None where
+    absent)."""
     H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
-    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, option_args(g, A_log, dt_bias, beta_act))
-    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
+    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, option_args(g, A_log, dt_bias, beta_act),
+                        norms=k_norm2 is not None)
+    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out, k_norm2)
     build(*args)(*[x for x in tensors if x is not None])

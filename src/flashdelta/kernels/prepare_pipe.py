@@ -82,10 +82,10 @@ def blocks_per_sm(K: int, G: int) -> int:
 
 @_tl.jit(pass_configs=_tl.WS_PASS_CONFIGS, table=TABLE)
 def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta: int, g_dtype: str,
-          a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int, num_sms: int):
-    """heads_per_cta and the in-kernel activations (g_dtype .. beta_act) as in `prepare_oneshot.build` (0 = all
-    HV / H of a key head); num_sms (last, as in the builds before the activations): the grid is
-    `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items)."""
+          a_log_dtype: Optional[str], dt_bias_dtype: Optional[str], beta_act: int, num_sms: int, norms: bool = False):
+    """heads_per_cta, the in-kernel activations (g_dtype .. beta_act) and norms (the squared key norms' output) as
+    in `prepare_oneshot.build` (0 = all HV / H of a key head); num_sms (as in the builds before the activations): the
+    grid is `num_sms * blocks_per_sm(...)` CTAs (fewer when there are fewer items)."""
     # problem config
     assert HV % H == 0 and K in SUPPORTED_K
     check_options(g_dtype, a_log_dtype, dt_bias_dtype, beta_act)
@@ -113,6 +113,7 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
         g_cumsum: T.Tensor((1, n_tok, HV), F32),
         A: T.Tensor((1, n_tok, HV, BT), k_dtype),
         beta_out: T.Tensor((1, n_tok, HV), F32) if beta_act else None,
+        k_norm2: T.Tensor((1, n_tok, H), F32) if norms else None,
     ):
         n_items = _chunks.num_slots(n_tok, n_seqs, BT) * NY
         prelude = _ptx.WY_INVERSE_PRELUDE + _ptx.PRODUCER_PRELUDE + timeline.prelude(TABLE)
@@ -166,6 +167,13 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
                         split_gram(kk_frag, kkd_shared, l_hi, l_lo)
                         T.sync_threads(1, CONSUMERS)
                         mark(i, "c.split")
+                        if norms:
+                            # the squared key norms: K K^T's diagonal (the key head's first value-head group)
+                            if (it % NY) % NG == 0:
+                                for r in T.Parallel(BT):
+                                    if r < ln:
+                                        k_norm2[0, T.cast(t0 + r, "int64"), (it % NY) // NG] = \
+                                            kkd_shared[r // B16, r % B16, r % B16]
                         warp = tx // 32
                         if G < NW:
                             # a warp without a value head does the gate cumsum (under the others' inverses)
@@ -237,19 +245,22 @@ def build(H: int, HV: int, K: int, k_dtype: str, beta_dtype: str, heads_per_cta:
 
 
 def builder_args(H: int, HV: int, K: int, k_dtype: torch.dtype, beta_dtype: torch.dtype, heads_per_cta: int = 0,
-                 num_sms: int = _tl.DEFAULT_NUM_SMS, options: tuple = (F32, None, None, 0)) -> tuple:
+                 num_sms: int = _tl.DEFAULT_NUM_SMS, options: tuple = (F32, None, None, 0), norms: bool = False) -> tuple:
     """The `build` arguments (its compile-cache key) for one call; num_sms: the GPU's SM count (the grid); options:
-    `prepare_common.option_args` (default: g fp32 log decays, beta as given)."""
+    `prepare_common.option_args` (default: g fp32 log decays, beta as given); norms as in
+    `prepare_oneshot.builder_args`."""
     return (H, HV, K, _tl.TL_DTYPE[k_dtype], _tl.TL_DTYPE[beta_dtype], heads_key(H, HV, heads_per_cta), *options,
-            int(num_sms))
+            int(num_sms), *((True,) if norms else ()))
 
 
 def launch(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log, dt_bias, cu_seqlens: torch.Tensor,
            g_cumsum: torch.Tensor, A: torch.Tensor, beta_out, *, num_sms: int, heads_per_cta: int = 0,
-           beta_act: int = 0):
-    """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum, A and beta_out (checked
-    and allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out None where absent)."""
+           beta_act: int = 0, k_norm2=None):
+    """Builds (or loads) the persistent kernel for these inputs and runs it into g_cumsum, A, beta_out and k_norm2
+    (checked and allocated by the caller, `prepare_common.fwd_outputs`; T > 0; A_log, dt_bias, beta_out, k_norm2
+    None where absent)."""
     H, K, HV = k.shape[2], k.shape[3], g.shape[-1]
-    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms, option_args(g, A_log, dt_bias, beta_act))
-    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out)
+    args = builder_args(H, HV, K, k.dtype, beta.dtype, heads_per_cta, num_sms, option_args(g, A_log, dt_bias, beta_act),
+                        norms=k_norm2 is not None)
+    tensors = (k, g, beta, A_log, dt_bias, cu_seqlens, g_cumsum, A, beta_out, k_norm2)
     build(*args)(*[x for x in tensors if x is not None])

@@ -916,7 +916,8 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
     `backends`: the call's `dispatch.Plan` (chunk_fwd for the summary passes, chunk_dstate for F; state_recompute
     and chunk_bwd from one kernel set). beta, the initial state (``[N, HV, ..]`` per `state_v_first`, or None)
     and dht (the same, or None: zeros) as the API hands them on; each launcher gets them in the dtype it takes.
-    `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` and `k_norm2` as in `cp_chunk_fwd` (`grad_windows`). Steps:
+    `scan` as in `cp_chunk_fwd`, for both scans; `keys_normalized` and `k_norm2` as in `cp_chunk_fwd` (`grad_windows`).
+    Steps:
     (M, E) by one chunk_fwd launch (`summaries`) and the scan give every partition's start state; state_recompute
     over the partitions from them; chunk_dstate gives F (`_start_grads`; none of a sequence's first partition, whose
     F the reverse scan never reads; with the warm-up over each head's window, `grad_windows`, whose heads' M is then

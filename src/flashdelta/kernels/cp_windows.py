@@ -27,6 +27,9 @@ fp32 (k read once; their sum order and fast-math rounding may differ from torch'
 a product within a few ulps of the limit may decide differently), the products ``beta ||k||^2`` in beta's promotion
 with fp32 (float64 for float64 beta) and a shared flag per value head. Rows past T come in as zeros from the TMA and
 rows past the partition's tokens are not checked.
+The `norms` builds read prepare's squared key norms (``k_norm2 [T, H]`` fp32, `prepare_fwd(norms=True)`: K K^T's
+diagonal, one accumulation order of the same products) in place of k's tiles, a 256-token tile of them at a time:
+the check without the walk over k (at 16/16 1x32768 the whole of k, ~50 us a direction at bandwidth).
 The torch code (`cp.windows`, `cp.grad_windows`) stays the exact path and the portable one.
 """
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations in this scope.

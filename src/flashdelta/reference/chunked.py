@@ -27,9 +27,9 @@ def l2norm_fwd(x):
     return _p.l2norm_fwd(_up(x))
 
 
-def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=None, beta_act=0):
+def prepare_fwd(k, g, beta, cu_seqlens, *, chunk_size=64, A_log=None, dt_bias=None, beta_act=0, norms=False):
     return _p.prepare_fwd(_up(k), _up(g), _up(beta), cu_seqlens, chunk_size=chunk_size, A_log=_up(A_log),
-                          dt_bias=_up(dt_bias), beta_act=beta_act, **_F64)
+                          dt_bias=_up(dt_bias), beta_act=beta_act, norms=norms, **_F64)
 
 
 def chunk_fwd(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, *, scale=None, state_v_first=False,

@@ -1,7 +1,8 @@
 """A/B of the CP warm-up's windows kernel (`kernels.cp_windows`) against a copy of it, on the benchmark's inputs:
-per row, partition length and direction (forward `cp.windows`, backward `cp.grad_windows`), with and without
-`keys_normalized`, whether every output equals the shipped kernel's (they should, bit for bit) and CUDA-graph
-medians of one launch, the modules interleaved in one process. A variant is a copy of kernels/cp_windows.py
+per row, partition length and direction (forward `cp.windows`, backward `cp.grad_windows`), reading k (`norm`
+k), beta alone (`keys_normalized`: beta) and prepare's squared key norms in place of k (norms), whether every
+output equals the shipped kernel's (they should, bit for bit) and CUDA-graph medians of one launch, the modules
+interleaved in one process. Without a variant it times the shipped kernel's three modes. A variant is a copy of kernels/cp_windows.py
 (anywhere on disk, not committed), imported as a module of flashdelta.kernels:
 
     git show a4e98cc:src/flashdelta/kernels/cp_windows.py > /tmp/cp_windows_old.py
@@ -40,20 +41,20 @@ def main() -> int:
     for row in args.rows:
         hh, sl, inp = row_inputs(row, requires_grad=False)
         k, beta, cu = inp.k, inp.beta, inp.cu
-        g_cumsum, _ = prepare.prepare_fwd(k, inp.g, beta, cu)
+        g_cumsum, _, k_norm2 = prepare.prepare_fwd(k, inp.g, beta, cu, norms=True)
         plan = cp.make_plan(cu, k.shape[1], L)
         for backward in (False, True):
-            for normalized in (False, True):
+            for mode, normalized, norms in (("k", False, None), ("beta", True, None), ("norms", False, k_norm2)):
                 limit = cp._limit(beta, normalized)
 
-                def call(m, backward=backward, normalized=normalized, limit=limit):
+                def call(m, backward=backward, normalized=normalized, limit=limit, norms=norms):
                     return lambda: m.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L, cp.WARMUP_THRESHOLD,
-                                                     limit, normalized, backward=backward)
+                                                     limit, normalized, backward=backward, k_norm2=norms)
 
                 outs, ms = outputs_and_times(mods, call, stream)
                 same = all(all(torch.equal(a, b) for a, b in zip(outs[names[0]], outs[n])) for n in names[1:])
                 us = [1000 * ms[n] for n in names]
-                print(f"{hh:>6} {sl:>14} {'bwd' if backward else 'fwd':>4} {str(normalized):>5} "
+                print(f"{hh:>6} {sl:>14} {'bwd' if backward else 'fwd':>4} {mode:>5} "
                       + " ".join(f"{u:12.2f}" for u in us) + "  "
                       + " ".join(f"{u / us[0]:>{len(n) + 9}.3f}" for n, u in zip(names[1:], us[1:]))
                       + f"  {'equal' if same else 'DIFFER'}", flush=True)

@@ -481,7 +481,7 @@ def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized:
     else:
         H = k.shape[2]
         if k_norm2 is not None:
-            n2 = k_norm2[0].to(torch.promote_types(k.dtype, torch.float32)).index_select(0, toks)   # [P n, H]
+            n2 = k_norm2[0].index_select(0, toks).to(torch.promote_types(k.dtype, torch.float32))   # [P n, H]
         else:
             nk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))  # [T, H]
             n2 = nk.index_select(0, toks).square()
@@ -490,11 +490,6 @@ def _contracting(k: Tensor, beta: Tensor, toks: Tensor, P: int, keys_normalized:
         b = torch.where(inside, b, b.new_zeros(()))
     lo, hi = torch.aminmax(b.view(P, -1, HV), dim=1)
     return (lo >= 0) & (hi <= limit)
-
-
-def _norms(k_norm2: Optional[Tensor], keys_normalized: bool) -> Optional[Tensor]:
-    """The key norms the warm-up condition reads: none where the keys are normalised (beta alone is read)."""
-    return None if keys_normalized else k_norm2
 
 
 def _kernel_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, kset) -> bool:
@@ -538,13 +533,13 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
     P, L = plan.P, plan.L
+    k_norm2 = None if keys_normalized else k_norm2         # normalised keys: beta alone is read
     if threshold is not None and T > 0 and _kernel_windows(g_cumsum, k, beta, kset):
         from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
 
         skip_e, skip_m, fallback, suffix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L,
                                                                       threshold, _limit(beta, keys_normalized),
-                                                                      keys_normalized, k_norm2=_norms(k_norm2,
-                                                                                                      keys_normalized))
+                                                                      keys_normalized, k_norm2=k_norm2)
         return Windows(skip_e=skip_e, skip_m=skip_m, fallback=fallback, suffix=suffix, threshold=float(threshold))
     inner = ~plan.first.roll(-1)[:, None]                 # [P, 1]: slot p + 1 continues p's sequence (0 starts one)
     none = torch.full((P, HV), SKIP_ALL, dtype=torch.int32, device=dev)
@@ -559,8 +554,7 @@ def windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, threshold: 
     suffix = torch.cumsum(G, 1, dtype=torch.float64)                                            # [P, L, HV]
     ok = suffix <= threshold
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized,
-                                        k_norm2=_norms(k_norm2, keys_normalized)) & inner
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, k_norm2=k_norm2) & inner
     fallback = inner ^ reach
     skip_e = torch.where(reach, (L - 1 - first).to(torch.int32), walk)
     return Windows(skip_e=skip_e, skip_m=torch.where(fallback, 0, none), fallback=fallback, suffix=suffix,
@@ -782,12 +776,13 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     dev = g_cumsum.device
     T, HV = g_cumsum.shape[1], g_cumsum.shape[2]
     P, L = plan.P, plan.L
+    k_norm2 = None if keys_normalized else k_norm2         # normalised keys: beta alone is read
     if threshold is not None and T > 0 and _kernel_windows(g_cumsum, k, beta, kset):
         from .kernels import cp_windows  # noqa: PLC0415 - TileLang only where the kernel runs
 
         take, fallback, prefix = cp_windows.windows_tensors(g_cumsum, k, beta, plan.cu, plan.first, L, threshold,
                                                             _limit(beta, keys_normalized), keys_normalized,
-                                                            backward=True, k_norm2=_norms(k_norm2, keys_normalized))
+                                                            backward=True, k_norm2=k_norm2)
         return GradWindows(take=take, fallback=fallback, prefix=prefix, threshold=float(threshold))
     cont = ~plan.first[:, None]                           # [P, 1]: continues its sequence (neither first nor unused)
     every = torch.where(cont, TAKE_ALL, torch.zeros((P, HV), dtype=torch.int32, device=dev))
@@ -804,8 +799,7 @@ def grad_windows(g_cumsum: Tensor, k: Tensor, beta: Tensor, plan: CPPlan, thresh
     inside = (toks < eos).view(-1, 1)                     # tokens past the partition's end are not its own
     toks = torch.clamp_max(toks, T - 1).view(-1)
     any_ok, first = ok.to(torch.uint8).max(1)             # the first j that reaches (a window of j + 1 chunks)
-    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside,
-                                        _norms(k_norm2, keys_normalized)) & cont
+    reach = (any_ok > 0) & _contracting(k, beta, toks, P, keys_normalized, inside, k_norm2) & cont
     take = torch.where(reach, (first + 1).to(torch.int32), every)
     return GradWindows(take=take, fallback=cont & ~reach, prefix=prefix, threshold=float(threshold))
 
@@ -999,7 +993,7 @@ def cp_chunk_bwd(q, k, v, g_cumsum, beta, A, initial_state, do, dht, cu_seqlens,
 
 
 def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torch.dtype, scale: float, *,
-           backward: bool = False) -> list:
+           backward: bool = False, forward: bool = True) -> list:
     """(label, builder, args) of the SM90 builds CP launches, each once: the forward's M and E passes (the fused
     forward at value width V without an initial state, with `chunk_skip` and `transitions`: one launch) and its
     output pass (width V with an fp32 initial state, the serial pass's build at K = V), all K-first; with
@@ -1014,30 +1008,35 @@ def builds(H: int, HV: int, K: int, V: int, dtype: torch.dtype, beta_dtype: torc
     and without h0 / dht, both V tiles) where it takes (K, V). The plan kernel (`kernels.cp_plan`, one build for
     every plan), the forward warm-up's windows kernel (`kernels.cp_windows`, with and without keys_normalized; with
     `backward`, also the backward's) where it takes the heads and dtypes, and the work order of the `chunk_skip`
-    passes (`kernels.item_order`, ascending) and of chunk_dstate's `chunk_take` (descending)."""
+    passes (`kernels.item_order`, ascending) and of chunk_dstate's `chunk_take` (descending). `forward` False (a
+    backward that splits beside a forward that does not): without the builds only the split forward launches (its
+    warm-up windows and their M and E passes, the overlapped output pass, the ascending work order)."""
     from .kernels import (chunk_bwd, chunk_dstate, cp_plan, cp_scan,  # noqa: PLC0415 - TileLang only where listed
                           cp_windows, fused_fwd, item_order)
 
     fwd = functools.partial(fused_fwd.launcher_builds, H, HV, K)
+    directions = (False,) * forward + (True,) * backward
     todo = cp_plan.launcher_builds()
-    todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype, backward=(False, True) if backward else (False,))
-    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
-                transitions=True)
+    todo += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype, backward=directions)
+    if forward:
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
+                    transitions=True)
     todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,))
-    # the warm-up's output pass in two launches (`_output_overlapped`): the windows' E pass alone, the output passes
-    # over complementary skips (the training forward's: saving the chunk states, below)
-    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
-                states_only=True)
-    todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
-    todo += item_order.launcher_builds(descending=(False,))
+    if forward:
+        # the warm-up's output pass in two launches (`_output_overlapped`): the windows' E pass alone, the output
+        # passes over complementary skips (the training forward's: saving the chunk states, below)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), chunk_skip=(True,),
+                    states_only=True)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,))
+        todo += item_order.launcher_builds(descending=(False,))
     if backward:
         todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,), transitions=True)
         todo += fwd(K, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(True,),
                     zero_values=True, states_only=True)
     if backward and (K, V) in chunk_bwd.HEAD_DIMS:
         # the training forward's output pass saving the chunk states over the whole sequences (`state_seqs`)
-        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,), chunk_skip=(False, True),
-                    save_states=True, state_seqs=True)
+        todo += fwd(V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
+                    chunk_skip=(False, True) if forward else (False,), save_states=True, state_seqs=True)
         todo += fused_fwd.state_recompute_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, initial_state=(True,))
         todo += chunk_bwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, dht=(True,), h_seqs=(True, False))
         todo += chunk_dstate.launcher_builds(H, HV, K, V, dtype, beta_dtype, scale, chunk_take=(False, True))

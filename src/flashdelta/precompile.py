@@ -18,7 +18,7 @@ import torch
 
 from . import cp
 from .gates import beta_act_code
-from .kernels import _tl, cp_windows, fused_fwd, item_order, prepare, sm90
+from .kernels import _tl, prepare, sm90
 
 # the longest single sequence (tokens) `variants` asks the CP cost models about: a split that pays for no sequence
 # up to this long gets no builds under auto
@@ -88,27 +88,8 @@ def cp_passes(request, HV: int, K: int, V: int, dtype: torch.dtype, *, sms: int,
 
 
 def _cp_builds(H: int, HV: int, K: int, V: int, dtype, beta_dtype, scale: float, fwd: bool, bwd: bool) -> list:
-    """`cp.builds` of the passes that may split: without the forward's, less its `chunk_skip` builds (the warm-up
-    windows' E and M passes and their work order, and the overlapped output pass's builds, which only the forward
-    launches)."""
-    todo = cp.builds(H, HV, K, V, dtype, beta_dtype, scale, backward=bwd)
-    if fwd:
-        return todo
-    # the warm-up's M and E passes (one launch) as `cp.builds` lists them
-    fwd_only = fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
-                                         chunk_skip=(True,), transitions=True)
-    # the overlapped output pass (`cp._output_overlapped`): the windows' E pass alone, the output passes over a skip
-    # (the training forward's saving the chunk states)
-    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(False,),
-                                          chunk_skip=(True,), states_only=True)
-    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
-                                          chunk_skip=(True,))
-    fwd_only += fused_fwd.launcher_builds(H, HV, K, V, dtype, beta_dtype, torch.float32, scale, initial_state=(True,),
-                                          chunk_skip=(True,), save_states=True, state_seqs=True)
-    fwd_only += cp_windows.launcher_builds(H, HV, K, dtype, beta_dtype)      # the forward's warm-up decision
-    fwd_only += item_order.launcher_builds(descending=(False,))               # the chunk_skip passes' order
-    skip = {(b.__name__, args) for _, b, args in fwd_only}
-    return [x for x in todo if (x[1].__name__, x[2]) not in skip]
+    """`cp.builds` of the passes that may split (without a split forward, none of the builds only it launches)."""
+    return cp.builds(H, HV, K, V, dtype, beta_dtype, scale, backward=bwd, forward=fwd)
 
 
 def _unique(builds: list) -> list:
